@@ -1,0 +1,180 @@
+"""Dataclasses that cross module boundaries.
+
+Vocabulary used everywhere in vlmspec (the convention the field reports):
+
+* a draft token is **accepted** when it survives verification;
+* at the first rejection the target's resample is the **recovered** token;
+* after a fully accepted block the target samples one more, the **bonus** token;
+* tau = accepted + 1 per round (the +1 is the recovered or bonus token).
+
+Distributions are named ``draft_probs`` and ``target_probs``; both are float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target alone would sample. ``temperature == 0`` means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k must be a positive integer or None, got {self.top_k!r}")
+        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class ContextUpdate:
+    """What the engine tells a proposer about one request at the start of a round.
+
+    ``token_ids`` is the span committed since the last round whose target features are
+    now known (at the first round: the whole prompt). The ``anchor`` is the last
+    committed token: the target has not processed it yet, so it has no features; it is
+    the first input of the next draft block.
+    """
+
+    token_ids: torch.Tensor  # [n] int64, newly committed tokens that have target features
+    positions: torch.Tensor  # [n] int64, their 1-D text-stream positions (see vlmspec.target.positions)
+    features: torch.Tensor | None  # [n, m * d_target] hooked target features, or None if none were asked for
+    anchor: int  # last committed token id
+    anchor_position: int  # its 1-D text-stream position
+
+
+@dataclass
+class DraftBlock:
+    """A proposal for a batch of requests.
+
+    Rows may hold fewer than ``gamma`` real drafts: ``num_tokens[r]`` says how many; the
+    rest of the row is padding and is never verified.
+    """
+
+    tokens: torch.Tensor  # [B, gamma] int64
+    num_tokens: torch.Tensor  # [B] int64, drafted tokens per request (<= gamma)
+    # The float32 distribution each token was actually drawn from (after any sequential
+    # bias and temperature); None means the drafter is deterministic (one-hot).
+    draft_probs: torch.Tensor | None = None  # [B, gamma, V] float32
+    # Conditional survival probability of each position given the ones before survived.
+    confidences: torch.Tensor | None = None  # [B, gamma] float32
+
+    @property
+    def gamma(self) -> int:
+        return self.tokens.shape[1]
+
+    def truncated(self, lengths: torch.Tensor) -> "DraftBlock":
+        """The same block with each request cut to ``min(num_tokens, lengths)`` drafts."""
+        lengths = torch.minimum(self.num_tokens, lengths.to(self.num_tokens))  # [B]
+        return DraftBlock(self.tokens, lengths, self.draft_probs, self.confidences)
+
+
+@dataclass
+class VerifyResult:
+    """Outcome of verifying one block per request."""
+
+    num_accepted: torch.Tensor  # [B] int64, leading draft tokens that survived
+    next_tokens: torch.Tensor  # [B] int64, the recovered token (after a rejection) or the bonus token
+
+    def committed(self, draft_tokens: torch.Tensor, row: int) -> list[int]:
+        """Tokens request ``row`` commits this round: its accepted drafts then the next token."""
+        n = int(self.num_accepted[row])
+        return draft_tokens[row, :n].tolist() + [int(self.next_tokens[row])]
+
+
+@dataclass
+class SpecStats:
+    """Statistics of one generation. ``tau`` counts accepted + 1 per round."""
+
+    rounds: int = 0
+    new_tokens: int = 0
+    accepted: int = 0  # accepted draft tokens over all rounds
+    drafted: int = 0  # draft tokens proposed over all rounds
+    verified: int = 0  # draft tokens sent to the target (after scheduling)
+    # accepted_by_position[k] / verified_by_position[k]: acceptance of draft position k+1
+    # counted over the rounds in which that position was verified.
+    accepted_by_position: list[int] = field(default_factory=list)
+    verified_by_position: list[int] = field(default_factory=list)
+    verified_lengths: list[int] = field(default_factory=list)  # per round
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per round (accepted drafts + the recovered/bonus token)."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / v if v else float("nan") for a, v in zip(self.accepted_by_position, self.verified_by_position)]
+
+    @property
+    def other_s(self) -> float:
+        """Time spent outside the two models' forwards (the engine's own overhead)."""
+        return max(self.total_s - self.prefill_s - self.draft_s - self.verify_s, 0.0)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def mean_verified_length(self) -> float:
+        return sum(self.verified_lengths) / len(self.verified_lengths) if self.verified_lengths else 0.0
+
+    def record_round(self, drafted: int, verified: int, accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.verified += verified
+        self.accepted += accepted
+        self.verified_lengths.append(verified)
+        grow = verified - len(self.verified_by_position)
+        if grow > 0:
+            self.verified_by_position.extend([0] * grow)
+            self.accepted_by_position.extend([0] * grow)
+        for k in range(verified):
+            self.verified_by_position[k] += 1
+            if k < accepted:
+                self.accepted_by_position[k] += 1
+
+    def as_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "new_tokens": self.new_tokens,
+            "tau": self.tau,
+            "accepted": self.accepted,
+            "drafted": self.drafted,
+            "verified": self.verified,
+            "mean_verified_length": self.mean_verified_length,
+            "acceptance_by_position": self.acceptance_by_position,
+            "verified_by_position": list(self.verified_by_position),
+            "prefill_s": self.prefill_s,
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+            "other_s": self.other_s,
+            "total_s": self.total_s,
+            "tokens_per_s": self.tokens_per_s,
+        }
+
+
+@dataclass
+class GenerationResult:
+    """What ``SpecEngine.generate`` returns."""
+
+    text: str
+    token_ids: list[int]  # generated tokens (EOS included when generation ended on it)
+    stats: SpecStats
+    finish_reason: str  # "eos", "stop", or "length"
