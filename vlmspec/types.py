@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# How a target's M-RoPE positions map to a drafter's 1-D positions (see vlmspec.target.positions).
+DEFAULT_POSITION_RULE = "interpolate"
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from vlmspec.types import ContextUpdate, DraftBlock, SamplingParams
+from vlmspec.types import DEFAULT_POSITION_RULE, ContextUpdate, DraftBlock, SamplingParams
 
 
 @runtime_checkable
@@ -59,7 +59,7 @@ class NoDraft:
     max_draft_tokens = 0
     feature_layers: tuple[int, ...] = ()
     vocab_size = None
-    position_rule = "interpolate"
+    position_rule = DEFAULT_POSITION_RULE
 
     def new_state(self) -> None:
         return None

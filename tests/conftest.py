@@ -1,0 +1,51 @@
+"""Shared fixtures: the real Qwen tokenizer, real images and tiny random-init Qwen-VL targets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vlmspec.target import QwenVLTarget
+from vlmspec.target.tiny import FAMILIES, qwen_tokenizer, tiny_model, tiny_processor
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return qwen_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def make_target(tokenizer):
+    """Build (and memoise) a tiny random target per family: ``make_target("qwen2_vl")``."""
+    built: dict[tuple, QwenVLTarget] = {}
+
+    def make(family: str, **overrides) -> QwenVLTarget:
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in built:
+            built[key] = QwenVLTarget(tiny_model(family, **overrides), tiny_processor(family, tokenizer), name=f"tiny-{family}")
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def astronaut() -> Image.Image:
+    from skimage import data
+
+    return Image.fromarray(data.astronaut())
+
+
+@pytest.fixture(scope="session")
+def coffee() -> np.ndarray:
+    from skimage import data
+
+    return data.coffee()  # an H x W x 3 uint8 array: exercises the numpy input path

@@ -1,0 +1,309 @@
+"""SpecEngine: the single-request speculative loop (propose -> schedule -> verify -> commit).
+
+This is the only module that wires a target, a proposer, a scheduler and verification
+together, and it calls each through its protocol. One round:
+
+1. the proposer absorbs the span committed last round (with its target features) and
+   drafts up to gamma tokens after the anchor (the last committed token);
+2. the scheduler decides how many of them to send to the target;
+3. the target runs [anchor, drafts...] in one forward; verification keeps the accepted
+   prefix and draws the recovered or bonus token;
+4. the target's cache is rolled back to what was kept, and the tokens are committed.
+
+What it does not know: Hugging Face, M-RoPE, processors (that is ``vlmspec.target``);
+how drafts are made (``vlmspec.drafters``); acceptance rules (``vlmspec.verify``).
+With ``speculative=False`` the proposer is :class:`NoDraft` and every round verifies the
+anchor alone, so the target-only baseline runs through exactly the same code.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from vlmspec.drafters.base import NoDraft, Proposer
+from vlmspec.sampling import sample, target_probs
+from vlmspec.scheduling.base import Scheduler, VerifyAll
+from vlmspec.target.adapter import QwenVLTarget, RequestState
+from vlmspec.target.inputs import ImageLike, TargetInputs
+from vlmspec.types import ContextUpdate, DraftBlock, GenerationResult, SamplingParams, SpecStats
+from vlmspec.verify import verify
+
+
+@dataclass
+class _Request:
+    """Bookkeeping of one generation: what was committed and why it ended."""
+
+    max_new_tokens: int
+    eos_token_ids: frozenset[int]
+    stop: tuple[str, ...]
+    tokenizer: object
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.tokens)
+
+    def commit(self, new_tokens: Sequence[int]) -> list[int]:
+        """Append tokens one by one, stopping exactly where the target alone would stop."""
+        kept = []
+        for token in new_tokens:
+            self.tokens.append(token)
+            kept.append(token)
+            self.finish_reason = self._finish_reason(token)
+            if self.finish_reason:
+                break
+        self.stats.new_tokens = len(self.tokens)
+        return kept
+
+    def _finish_reason(self, token: int) -> str | None:
+        if token in self.eos_token_ids:
+            return "eos"
+        if self.stop and self._ends_with_stop():
+            return "stop"
+        if self.remaining <= 0:
+            return "length"
+        return None
+
+    def _ends_with_stop(self) -> bool:
+        # A stop string of c characters spans at most 4c + 2 byte-level tokens; earlier
+        # occurrences were caught when they completed, so only the tail needs decoding.
+        window = 4 * max(len(s) for s in self.stop) + 2
+        tail = self.tokenizer.decode(self.tokens[-window:], skip_special_tokens=True)
+        return any(s in tail for s in self.stop)
+
+
+class SpecEngine:
+    """Speculative decoding over a Qwen-VL target with any proposer and scheduler.
+
+    >>> engine = SpecEngine.from_pretrained("path/to/Qwen2.5-VL-3B-Instruct", drafter="prompt-lookup")
+    >>> result = engine.generate("photo.jpg", "What is in this picture?", max_new_tokens=128)
+    >>> result.text, result.stats.tau
+    """
+
+    def __init__(self, target: QwenVLTarget, proposer: Proposer | None = None, scheduler: Scheduler | None = None):
+        self.target = target
+        self.proposer = proposer if proposer is not None else NoDraft()
+        self.scheduler = scheduler if scheduler is not None else VerifyAll()
+        if not isinstance(self.proposer, Proposer):
+            raise TypeError(f"{type(self.proposer).__name__} does not implement the Proposer protocol (vlmspec.drafters)")
+        if not isinstance(self.scheduler, Scheduler):
+            raise TypeError(f"{type(self.scheduler).__name__} does not implement the Scheduler protocol (vlmspec.scheduling)")
+        vocab = self.proposer.vocab_size
+        if vocab is not None and vocab != target.vocab_size:
+            raise ValueError(
+                f"the drafter's vocabulary ({vocab} ids) does not match the target's ({target.vocab_size}); "
+                "use a drafter built for this target (DSparkDrafter.from_target(target, config))"
+            )
+        target.check_feature_layers(self.proposer.feature_layers)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target_dir: str | os.PathLike,
+        drafter: str | os.PathLike | Proposer | None = None,
+        *,
+        scheduler: Scheduler | None = None,
+        dtype: str | torch.dtype = "float32",
+        attn_implementation: str = "sdpa",
+        device: str | torch.device = "cpu",
+    ) -> "SpecEngine":
+        """Load a target from a local directory and attach a drafter.
+
+        ``drafter`` is None (target alone), ``"prompt-lookup"``, the directory of a saved
+        DSpark drafter, or any object implementing the Proposer protocol.
+        """
+        target = QwenVLTarget.from_pretrained(target_dir, dtype=dtype, attn_implementation=attn_implementation, device=device)
+        return cls(target, load_proposer(drafter, target), scheduler)
+
+    # ------------------------------------------------------------------ public
+    def generate(
+        self,
+        images: ImageLike | Sequence[ImageLike] | None = None,
+        prompt: str | None = None,
+        *,
+        messages: list[dict] | None = None,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
+        stop: str | Sequence[str] | None = None,
+        speculative: bool = True,
+    ) -> GenerationResult:
+        """Answer ``prompt`` about ``images`` (one, several or None) with exactly the target's output.
+
+        Greedy (``temperature=0``) output is token for token the target's own; sampled
+        output follows the target's distribution (with the same top-k / top-p).
+        ``stop`` strings end generation at the token that completes one (kept in the
+        text). ``speculative=False`` runs the target alone through the same code path.
+        """
+        stream = self.stream(images, prompt, messages=messages, max_new_tokens=max_new_tokens, temperature=temperature,
+                             top_k=top_k, top_p=top_p, seed=seed, stop=stop, speculative=speculative)  # fmt: skip
+        for _ in stream.rounds():
+            pass
+        return stream.result
+
+    def stream(
+        self,
+        images: ImageLike | Sequence[ImageLike] | None = None,
+        prompt: str | None = None,
+        *,
+        messages: list[dict] | None = None,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
+        stop: str | Sequence[str] | None = None,
+        speculative: bool = True,
+    ) -> "GenerationStream":
+        """Like :meth:`generate`, but iterate over the result to get text as it is committed.
+
+        Arguments are validated here, before anything runs; ``stream.result`` holds the
+        :class:`GenerationResult` once the iteration is over.
+        """
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        request = self._new_request(max_new_tokens, stop)
+        inputs = self.target.build_inputs(images, prompt, messages=messages)
+        proposer = self.proposer if speculative else NoDraft()
+        generator = torch.Generator(device=self.target.device).manual_seed(int(seed))
+        return GenerationStream(self, request, self._decode(inputs, proposer, params, generator, request))
+
+    # ---------------------------------------------------------------- the loop
+    def _decode(self, inputs: TargetInputs, proposer: Proposer, params: SamplingParams, generator, request: "_Request"):
+        """Generator over the token lists committed by the prefill and by each round."""
+        started = time.perf_counter()
+        state, update = self._prefill(inputs, proposer, params, generator, request)
+        yield list(request.tokens)
+        draft_state = proposer.new_state()
+        while request.finish_reason is None:
+            committed, update = self._round(state, draft_state, update, proposer, params, generator, request)
+            yield committed
+        request.stats.total_s = time.perf_counter() - started
+
+    def _prefill(self, inputs: TargetInputs, proposer: Proposer, params, generator, request: _Request):
+        tick = time.perf_counter()
+        state, step = self.target.prefill(inputs, feature_layers=proposer.feature_layers, position_rule=proposer.position_rule)
+        request.stats.prefill_s = time.perf_counter() - tick
+        first = int(sample(target_probs(step.logits[-1:], params), [generator])[0])
+        request.commit([first])
+        update = ContextUpdate(
+            token_ids=inputs.input_ids[0].cpu(),
+            positions=step.positions,
+            features=step.features,
+            anchor=first,
+            anchor_position=inputs.length + state.rope_delta,
+        )
+        self._check_context(state, request)
+        return state, update
+
+    def _round(self, state: RequestState, draft_state, update: ContextUpdate, proposer, params, generator, request):
+        tick = time.perf_counter()
+        block = proposer.propose(draft_state, update, params, generator)
+        drafted = int(block.num_tokens[0])
+        # Never verify past max_new_tokens or the context: the extra tokens could not be kept.
+        room = min(request.remaining - 1, self.target.max_context - state.length - 1)
+        lengths = self.scheduler.schedule(block.confidences, block.num_tokens).clamp(max=max(room, 0))
+        block = _first_tokens(block, int(lengths[0]))
+        tock = time.perf_counter()
+        request.stats.draft_s += tock - tick
+
+        n = int(block.num_tokens[0])
+        step = self.target.verify(state, [update.anchor] + block.tokens[0].tolist())
+        result = verify(block, step.logits[None], params, [generator])
+        accepted = int(result.num_accepted[0])
+        self.target.rollback(state, keep=accepted + 1)
+        request.stats.verify_s += time.perf_counter() - tock
+
+        request.stats.record_round(drafted=drafted, verified=n, accepted=accepted)
+        committed = request.commit(block.tokens[0, :accepted].tolist() + [int(result.next_tokens[0])])
+        kept = accepted + 1  # the anchor and the accepted drafts now have target features
+        next_update = ContextUpdate(
+            token_ids=torch.tensor([update.anchor] + block.tokens[0, :accepted].tolist()),
+            positions=step.positions[:kept],
+            features=None if step.features is None else step.features[:kept],
+            anchor=committed[-1],
+            anchor_position=int(step.positions[kept - 1]) + 1,
+        )
+        self._check_context(state, request)
+        return committed, next_update
+
+    # --------------------------------------------------------------- helpers
+    def _new_request(self, max_new_tokens: int, stop: str | Sequence[str] | None) -> _Request:
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        return _Request(max_new_tokens, frozenset(self.target.eos_token_ids), stops, self.target.tokenizer)
+
+    def _check_context(self, state: RequestState, request: _Request) -> None:
+        # The next round feeds the anchor at cache index state.length: it must fit.
+        if request.finish_reason is None and state.length + 1 > self.target.max_context:
+            request.finish_reason = "length"
+
+
+class GenerationStream:
+    """Iterate for text deltas as tokens are committed; ``result`` is set when done."""
+
+    def __init__(self, engine: SpecEngine, request: _Request, rounds: Iterator[list[int]]) -> None:
+        self._tokenizer = engine.target.tokenizer
+        self._request = request
+        self._rounds = rounds
+        self.result: GenerationResult | None = None
+
+    def rounds(self) -> Iterator[list[int]]:
+        """The token ids committed by the prefill and then by each round."""
+        yield from self._rounds
+        request = self._request
+        text = self._tokenizer.decode(request.tokens, skip_special_tokens=True)
+        self.result = GenerationResult(text, list(request.tokens), request.stats, request.finish_reason)
+
+    def __iter__(self) -> Iterator[str]:
+        shown = ""
+        for _ in self.rounds():
+            text = self._tokenizer.decode(self._request.tokens, skip_special_tokens=True)
+            if len(text) > len(shown) and not text.endswith("\ufffd"):  # wait for a whole character
+                yield text[len(shown) :]
+                shown = text
+        if len(self.result.text) > len(shown):
+            yield self.result.text[len(shown) :]
+
+
+def _first_tokens(block: DraftBlock, n: int) -> DraftBlock:
+    """A batch-1 block cut to its first ``n`` drafts (the slots the target will verify)."""
+    n = min(n, int(block.num_tokens[0]))
+    return DraftBlock(
+        tokens=block.tokens[:, :n],
+        num_tokens=torch.tensor([n]),
+        draft_probs=None if block.draft_probs is None else block.draft_probs[:, :n],
+        confidences=None if block.confidences is None else block.confidences[:, :n],
+    )
+
+
+def load_proposer(drafter: str | os.PathLike | Proposer | None, target: QwenVLTarget) -> Proposer:
+    """A proposer from a name, a saved drafter directory, or an object that already is one."""
+    if drafter is None:
+        return NoDraft()
+    if isinstance(drafter, Proposer):
+        return drafter
+    if str(drafter) == "prompt-lookup":
+        from vlmspec.drafters.prompt_lookup import PromptLookup
+
+        return PromptLookup()
+    path = Path(drafter)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"drafter {str(drafter)!r} is neither 'prompt-lookup' nor a directory with a saved drafter"
+        )
+    from vlmspec.drafters.dspark import DSparkDrafter
+
+    return DSparkDrafter.from_pretrained(path, target=target).proposer()

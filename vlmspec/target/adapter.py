@@ -1,0 +1,380 @@
+"""The target adapter: the only code in vlmspec that knows Hugging Face, Qwen-VL and M-RoPE.
+
+A :class:`QwenVLTarget` wraps one loaded model and its processor and is shared by all
+requests. Everything that belongs to a request (KV cache, ``rope_delta``, committed
+length, 1-D positions) lives in a :class:`RequestState`; the model's own
+``rope_deltas`` attribute is never read or written, because every forward gets explicit
+position ids computed here.
+
+What it does not know: drafting, verification rules, scheduling.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vlmspec.target.inputs import (
+    ImageLike,
+    TargetInputs,
+    chat_messages,
+    count_image_slots,
+    load_images,
+)
+from vlmspec.target.positions import DEFAULT_POSITION_RULE, check_position_rule, text_stream_positions
+
+# model_type -> family name used across vlmspec
+SUPPORTED_MODEL_TYPES = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl"}
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TargetStep:
+    """What one target forward returns for the tokens it was fed."""
+
+    logits: torch.Tensor  # [n, V] float32, prediction for the token after each input
+    features: torch.Tensor | None  # [n, m * d] hooked decoder-layer outputs (model dtype), or None
+    positions: torch.Tensor  # [n] int64, 1-D text-stream positions of the inputs
+
+
+@dataclass
+class RequestState:
+    """Per-request state of the target; never shared between requests."""
+
+    cache: object  # transformers DynamicCache
+    rope_delta: int  # M-RoPE position minus cache index, for every token after the prompt
+    length: int  # tokens held in the cache
+    feature_layers: tuple[int, ...]
+    position_rule: str
+    prompt_length: int
+    uncommitted: int = 0  # tokens of the last verify not yet confirmed by rollback()
+    broken: bool = field(default=False)  # a forward failed mid-way: the cache cannot be trusted
+
+
+class QwenVLTarget:
+    """A Qwen2-VL, Qwen2.5-VL or Qwen3-VL model plus its processor, driven request by request.
+
+    Build with :meth:`from_pretrained` (a local directory) or wrap objects you already
+    have: ``QwenVLTarget(model, processor)``.
+    """
+
+    def __init__(self, model: nn.Module, processor, *, name: str | None = None) -> None:
+        model_type = getattr(model.config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"vlmspec supports Qwen2-VL, Qwen2.5-VL and Qwen3-VL targets; got model_type {model_type!r} "
+                f"({type(model).__name__}). Load one of: {', '.join(SUPPORTED_MODEL_TYPES)}."
+            )
+        if not hasattr(processor, "apply_chat_template") or not hasattr(processor, "tokenizer"):
+            raise TypeError("processor must be the model's transformers processor (AutoProcessor.from_pretrained(...))")
+        self.model = model.eval()
+        self.processor = processor
+        self.family = SUPPORTED_MODEL_TYPES[model_type]
+        self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        self._text_config = model.config.get_text_config()
+        self._layers = model.model.language_model.layers
+        # transformers 5.x renamed `past_key_values` to `cache`; accept both generations.
+        forward_parameters = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward_parameters else "past_key_values"
+        self._image_token_ids = {
+            getattr(model.config, "image_token_id", None),
+            getattr(model.config, "video_token_id", None),
+        } - {None}
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        *,
+        dtype: str | torch.dtype = "float32",
+        attn_implementation: str = "sdpa",
+        device: str | torch.device = "cpu",
+    ) -> "QwenVLTarget":
+        """Load a Qwen-VL model and its processor from a local directory (no hub access)."""
+        from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+        from vlmspec.target.tiny import allow_processor_without_video
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"no config.json in {str(path)!r}: pass the directory of a saved Qwen-VL model")
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"{str(path)!r} holds a {config.model_type!r} model; vlmspec supports {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if attn_implementation not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"attn_implementation must be one of {ATTENTION_IMPLEMENTATIONS}, got {attn_implementation!r}")
+        if attn_implementation == "flash_attention_2":
+            try:
+                import flash_attn  # noqa: F401
+            except ImportError as err:
+                raise ImportError("flash_attention_2 needs the gpu extra: pip install 'vlmspec[gpu]'") from err
+        allow_processor_without_video()
+        model = AutoModelForImageTextToText.from_pretrained(
+            path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, local_files_only=True
+        ).to(device)
+        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+        return cls(model, processor, name=str(path))
+
+    # --------------------------------------------------------------- properties
+    @property
+    def tokenizer(self):
+        return self.processor.tokenizer
+
+    @property
+    def device(self) -> torch.device:
+        return self.output_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.output_head.weight.dtype
+
+    @property
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def output_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.model.model.language_model.norm
+
+    @property
+    def vocab_size(self) -> int:
+        return self.output_head.weight.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self._text_config.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self._text_config.rope_parameters.get("rope_theta", 10000.0))
+
+    @property
+    def max_context(self) -> int:
+        return self._text_config.max_position_embeddings
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Tokens that end generation, as the model's generation config lists them."""
+        ids = getattr(self.model.generation_config, "eos_token_id", None)
+        if ids is None:
+            ids = [self.tokenizer.convert_tokens_to_ids("<|im_end|>"), self.tokenizer.eos_token_id]
+        ids = [ids] if isinstance(ids, int) else list(ids)
+        return tuple(sorted({int(i) for i in ids if i is not None and i >= 0}))
+
+    # ------------------------------------------------------------------- inputs
+    def build_inputs(
+        self,
+        images: ImageLike | Sequence[ImageLike] | None = None,
+        prompt: str | None = None,
+        *,
+        messages: list[dict] | None = None,
+    ) -> TargetInputs:
+        """Processor inputs for one request: images plus a prompt, or chat messages with image slots."""
+        pil_images = load_images(images)
+        if messages is None:
+            messages = chat_messages(prompt, len(pil_images))
+        elif prompt is not None:
+            raise ValueError("pass either prompt or messages, not both")
+        slots = count_image_slots(messages)
+        if slots != len(pil_images):
+            raise ValueError(f"the messages have {slots} image slot(s) but {len(pil_images)} image(s) were given")
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        encoded = self.processor(text=[text], images=pil_images or None, return_tensors="pt")
+        if encoded["input_ids"].shape[1] >= self.max_context:
+            raise ValueError(
+                f"the prompt is {encoded['input_ids'].shape[1]} tokens long but the model's context is "
+                f"{self.max_context}; shorten the prompt or use smaller images"
+            )
+        kwargs = {key: value.to(self.device) for key, value in encoded.items() if isinstance(value, torch.Tensor)}
+        if "pixel_values" in kwargs:
+            kwargs["pixel_values"] = kwargs["pixel_values"].to(self.dtype)
+        return TargetInputs(input_ids=kwargs["input_ids"], model_kwargs=kwargs, num_images=len(pil_images))
+
+    # ---------------------------------------------------------------- forwards
+    def check_feature_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
+        """Validate hook layer ids: existing decoder layers, never the final one."""
+        layers = tuple(int(i) for i in layers)
+        last = self.num_layers - 1
+        for i in layers:
+            if not 0 <= i < last:
+                raise ValueError(
+                    f"feature layer {i} is not allowed: use decoder layers 0..{last - 1}. The final layer ({last}) is "
+                    "refused because transformers reports it after the final norm, unlike every other layer, so "
+                    "training caches and inference would disagree."
+                )
+        return layers
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        inputs: TargetInputs,
+        *,
+        feature_layers: Sequence[int] = (),
+        position_rule: str = DEFAULT_POSITION_RULE,
+    ) -> tuple[RequestState, TargetStep]:
+        """Run the prompt (with its images) and open a request.
+
+        Returns the request state and a step whose logits hold only the last prompt
+        token's prediction ([1, V]) while features and positions cover the whole prompt.
+        """
+        from transformers import DynamicCache
+
+        layers = self.check_feature_layers(feature_layers)
+        check_position_rule(position_rule)
+        mrope, rope_delta = self._prompt_positions(inputs)
+        positions_1d = self._positions_1d(inputs, mrope, position_rule)
+        state = RequestState(
+            cache=DynamicCache(config=self.model.config),
+            rope_delta=rope_delta,
+            length=0,
+            feature_layers=layers,
+            position_rule=position_rule,
+            prompt_length=inputs.length,
+        )
+        kwargs = {k: v for k, v in inputs.model_kwargs.items() if k not in ("input_ids", "attention_mask")}
+        logits, features = self._forward(state, inputs.input_ids, mrope, logits_to_keep=1, **kwargs)
+        state.length = inputs.length
+        return state, TargetStep(logits=logits[0], features=features, positions=positions_1d)
+
+    @torch.inference_mode()
+    def verify(self, state: RequestState, tokens: Sequence[int] | torch.Tensor) -> TargetStep:
+        """One forward over ``tokens`` appended after the committed ones.
+
+        Returns logits for every input ([n, V]: row i predicts the token after input i).
+        Call :meth:`rollback` afterwards to keep the accepted prefix.
+        """
+        if state.broken:
+            raise RuntimeError("this request's cache was corrupted by an earlier error; start a new request")
+        if state.uncommitted:
+            raise RuntimeError("verify() called twice without rollback(); call rollback(state, keep) first")
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(1, -1)
+        n = ids.shape[1]
+        if state.length + n > self.max_context:
+            raise ValueError(f"generation reached the model's context length ({self.max_context} tokens)")
+        index = torch.arange(state.length, state.length + n, device=self.device)
+        mrope = (index + state.rope_delta).view(1, 1, n).expand(3, 1, n)
+        logits, features = self._forward(state, ids, mrope)
+        state.length += n
+        state.uncommitted = n
+        return TargetStep(logits=logits[0], features=features, positions=(index + state.rope_delta).cpu())
+
+    def rollback(self, state: RequestState, keep: int) -> None:
+        """Keep the first ``keep`` tokens of the last verify in the cache and drop the rest."""
+        assert 0 <= keep <= state.uncommitted, (keep, state.uncommitted)
+        drop = state.uncommitted - keep
+        if drop:
+            state.cache.crop(-drop)  # DynamicCache.crop takes a negative count from the end
+        state.length -= drop
+        state.uncommitted = 0
+
+    @torch.inference_mode()
+    def forward_sequence(
+        self, inputs: TargetInputs, feature_layers: Sequence[int], position_rule: str = DEFAULT_POSITION_RULE
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Features, final-norm hidden states and 1-D positions of a whole sequence (for training caches).
+
+        Returns features [L, m * d], last_hidden [L, d] (after the final norm, before the
+        LM head) and positions [L].
+        """
+        layers = self.check_feature_layers(feature_layers)
+        mrope, _ = self._prompt_positions(inputs)
+        positions_1d = self._positions_1d(inputs, mrope, position_rule)
+        kwargs = {k: v for k, v in inputs.model_kwargs.items() if k not in ("input_ids", "attention_mask")}
+        with self._capture([*layers], final_norm=True) as captured:
+            self.model(input_ids=inputs.input_ids, position_ids=self._with_text_row(mrope, 0),
+                       use_cache=False, logits_to_keep=1, **kwargs)  # fmt: skip
+        features = torch.cat([captured[i][0] for i in layers], dim=-1) if layers else None
+        return features, captured["norm"][0], positions_1d
+
+    # ---------------------------------------------------------------- internals
+    def _prompt_positions(self, inputs: TargetInputs) -> tuple[torch.Tensor, int]:
+        """M-RoPE ids [3, 1, L] of the prompt and its rope_delta, computed for this request only."""
+        ids = inputs.input_ids
+        if inputs.num_images == 0:
+            return torch.arange(ids.shape[1], device=self.device).view(1, 1, -1).expand(3, 1, -1), 0
+        kwargs = inputs.model_kwargs
+        mrope, deltas = self.model.model.get_rope_index(
+            ids,
+            mm_token_type_ids=kwargs.get("mm_token_type_ids"),
+            image_grid_thw=kwargs.get("image_grid_thw"),
+            video_grid_thw=kwargs.get("video_grid_thw"),
+        )
+        return mrope.to(self.device), int(deltas.flatten()[0])
+
+    def _positions_1d(self, inputs: TargetInputs, mrope: torch.Tensor, rule: str) -> torch.Tensor:
+        vision_ids = torch.tensor(sorted(self._image_token_ids), device=self.device)
+        vision_mask = torch.isin(inputs.input_ids[0], vision_ids)
+        return text_stream_positions(mrope[:, 0].cpu(), vision_mask.cpu(), rule)
+
+    @staticmethod
+    def _with_text_row(mrope: torch.Tensor, start: int) -> torch.Tensor:
+        """Prepend the plain cache-index row the language model uses for masks: [3, 1, n] -> [4, 1, n]."""
+        n = mrope.shape[-1]
+        text_row = torch.arange(start, start + n, device=mrope.device).view(1, 1, n)
+        return torch.cat([text_row, mrope], dim=0)
+
+    def _forward(self, state: RequestState, ids: torch.Tensor, mrope: torch.Tensor, logits_to_keep: int = 0, **kwargs):
+        try:
+            with self._capture(state.feature_layers) as captured:
+                out = self.model(
+                    input_ids=ids,
+                    position_ids=self._with_text_row(mrope, state.length),
+                    **{self._cache_kwarg: state.cache},
+                    use_cache=True,
+                    logits_to_keep=logits_to_keep,
+                    **kwargs,
+                )
+        except Exception:
+            state.broken = True  # a failed forward can leave some cache layers one entry longer
+            raise
+        features = torch.cat([captured[i][0] for i in state.feature_layers], dim=-1) if state.feature_layers else None
+        return out.logits.float(), features
+
+    @contextmanager
+    def _capture(self, layers: Sequence[int], final_norm: bool = False):
+        """Forward hooks that record decoder-layer outputs (and optionally the final norm's)."""
+        captured: dict = {}
+        handles = []
+
+        def keep(key):
+            def hook(module, args, output):
+                captured[key] = output[0] if isinstance(output, tuple) else output
+
+            return hook
+
+        for i in layers:
+            handles.append(self._layers[i].register_forward_hook(keep(i)))
+        if final_norm:
+            handles.append(self.final_norm.register_forward_hook(keep("norm")))
+        try:
+            yield captured
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
