@@ -1,0 +1,218 @@
+"""Logits -> probabilities exactly as target-only sampling applies them, and seeded draws.
+
+``target_probs`` reproduces the warper chain of Hugging Face ``generate`` (float32 logits,
+then temperature, then top-k, then top-p, then softmax), so that speculative decoding and
+the target alone sample from the same distribution. Two tie rules are fixed on purpose:
+
+* top-k keeps every token whose logit equals the k-th largest (as transformers'
+  ``TopKLogitsWarper`` does), so more than k tokens survive when the boundary is tied.
+  Ties are common with bf16 logits, and keeping them is what makes the support match.
+* top-p keeps the smallest set of most-probable tokens whose cumulative probability
+  reaches ``top_p``; among tied tokens the lower index is kept first (deterministic,
+  like ``torch.argmax``). The arithmetic (ascending cumulative sum compared with
+  ``1 - top_p``) is the same as transformers'. After top-k only the surviving tokens are
+  sorted (a few dozen instead of the whole vocabulary); their softmax may then differ from
+  transformers' in the last bit, which could move the nucleus boundary only when the tail
+  mass lies within float32 rounding of ``1 - top_p``.
+
+Every random draw takes an explicit ``torch.Generator``, one per batch row; nothing here
+touches the global RNG. Draws use the inverse CDF in float64, which never returns a token
+of zero probability (see :func:`sample_from_uniforms`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from vlmspec.types import SamplingParams
+
+__all__ = [
+    "target_probs",
+    "greedy_one_hot",
+    "mask_top_k",
+    "mask_top_p",
+    "residual_probs",
+    "draw_uniforms",
+    "sample_from_uniforms",
+    "sample",
+]
+
+
+def target_probs(
+    logits: torch.Tensor,  # [..., V] any float dtype
+    params: SamplingParams,
+) -> torch.Tensor:  # [..., V] float32
+    """The float32 distribution the target alone samples from under ``params``.
+
+    Greedy (``temperature == 0``) gives the one-hot of the argmax (ties -> lowest index).
+    Otherwise: logits in float32, divided by the temperature, then top-k, then top-p,
+    then softmax; the same order as transformers' ``generate``.
+    """
+    _check_logits(logits)
+    if params.greedy:
+        return greedy_one_hot(logits)
+    scores = logits.float() / params.temperature  # a new tensor: the caller's logits are never modified
+    if params.top_k is not None:
+        scores = mask_top_k(scores, params.top_k)
+    if params.top_p is not None and params.top_p < 1.0:
+        # after top-k only a few scores are finite: sort those, not all of V
+        num_candidates = _most_finite_per_row(scores) if params.top_k is not None else None
+        scores = mask_top_p(scores, params.top_p, num_candidates)
+    return torch.softmax(scores, dim=-1)
+
+
+def greedy_one_hot(logits: torch.Tensor) -> torch.Tensor:  # logits [..., V] -> [..., V] float32
+    """One-hot float32 of the argmax over the last dim (ties -> lowest index, as ``torch.argmax``)."""
+    _check_logits(logits)
+    best = logits.argmax(dim=-1, keepdim=True)  # [..., 1]
+    return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, best, 1.0)
+
+
+def mask_top_k(
+    scores: torch.Tensor,  # [..., V] float32
+    top_k: int,
+) -> torch.Tensor:  # [..., V] float32
+    """Set to -inf every score below the k-th largest; ties with the k-th largest survive."""
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+    if top_k >= scores.shape[-1]:
+        return scores
+    kth_largest = torch.topk(scores, top_k, dim=-1).values[..., -1:]  # [..., 1]
+    return scores.masked_fill(scores < kth_largest, float("-inf"))
+
+
+def mask_top_p(
+    scores: torch.Tensor,  # [..., V] float32
+    top_p: float,
+    num_candidates: int | None = None,
+) -> torch.Tensor:  # [..., V] float32
+    """Keep the smallest most-probable set whose probability reaches ``top_p``; -inf elsewhere.
+
+    A token is dropped when the probability of all tokens ranked at or below it is
+    ``<= 1 - top_p``. The most probable token always survives. Ties are ranked by index:
+    the lower index counts as more probable, so it is kept first.
+
+    ``num_candidates``: when no row has more than this many finite scores (after top-k),
+    only that many per row are sorted instead of all of V. The ranking and the tie rule
+    are the same; the softmax over fewer terms can differ in the last float32 bit.
+    """
+    if not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
+    sorted_desc, order_desc = _sort_descending_ties_by_index(scores, num_candidates)  # [..., m] each
+    # Accumulate the tail mass in ascending order (small values first, as transformers does).
+    sorted_asc = sorted_desc.flip(-1)  # [..., m]
+    tail_mass = torch.softmax(sorted_asc, dim=-1).cumsum(dim=-1)  # [..., m], mass at or below each rank
+    drop_asc = tail_mass <= (1.0 - top_p)  # [..., m]
+    drop_asc[..., -1] = False  # the most probable token always survives
+    drop = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)  # [..., V]
+    drop.scatter_(-1, order_desc, drop_asc.flip(-1))  # back to vocabulary order
+    return scores.masked_fill(drop, float("-inf"))
+
+
+def _sort_descending_ties_by_index(
+    scores: torch.Tensor,  # [..., V]
+    num_candidates: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # values [..., m], vocabulary indices [..., m]
+    """The m largest scores in descending order, equal scores in ascending index order.
+
+    m = V unless ``num_candidates`` is smaller; every score outside the m must be -inf.
+    """
+    if num_candidates is None or num_candidates >= scores.shape[-1]:
+        return torch.sort(scores, dim=-1, descending=True, stable=True)
+    values, indices = torch.topk(scores, num_candidates, dim=-1)  # [..., m]; ties in no defined order
+    indices, by_index = indices.sort(dim=-1)  # [..., m], ascending index
+    values = values.gather(-1, by_index)
+    values, by_value = values.sort(dim=-1, descending=True, stable=True)  # keeps the index order of ties
+    return values, indices.gather(-1, by_value)
+
+
+def _most_finite_per_row(scores: torch.Tensor) -> int:  # scores [..., V]
+    """The largest number of finite scores in any row (one host sync)."""
+    if scores.numel() == 0:
+        return scores.shape[-1]
+    return int((scores > float("-inf")).sum(dim=-1).max())
+
+
+def residual_probs(
+    target_probs: torch.Tensor,  # [..., V] float32
+    draft_probs: torch.Tensor,  # [..., V] float32
+) -> torch.Tensor:  # [..., V] float32
+    """Normalised ``max(target_probs - draft_probs, 0)``: where the target resamples after a rejection.
+
+    Where the residual is all zeros (only when target == draft, so a rejection cannot
+    happen except through rounding) the target itself is returned; any token drawn from
+    it is then correct.
+    """
+    residual = (target_probs - draft_probs).clamp_min_(0.0)  # [..., V]
+    mass = residual.sum(dim=-1, keepdim=True)  # [..., 1]
+    has_mass = mass > 0  # [..., 1]
+    return torch.where(has_mass, residual / torch.where(has_mass, mass, 1.0), target_probs)
+
+
+def draw_uniforms(
+    generators: Sequence[torch.Generator],
+    num_per_row: int,
+    device: torch.device | str,
+) -> torch.Tensor:  # [B, num_per_row] float64 in [0, 1)
+    """``num_per_row`` uniforms for each row, row r drawn from ``generators[r]`` in one call.
+
+    Draws happen on each generator's own device and are then moved to ``device``, so CPU
+    generators work with CUDA tensors (and CUDA generators with CUDA tensors avoid a copy).
+    """
+    _check_generators(generators)
+    rows = [torch.rand(num_per_row, generator=g, device=g.device, dtype=torch.float64) for g in generators]
+    if not rows:
+        return torch.empty(0, num_per_row, dtype=torch.float64, device=device)
+    return torch.stack(rows).to(device)
+
+
+def sample_from_uniforms(
+    probs: torch.Tensor,  # [B, V] float, non-negative, each row with positive mass
+    uniforms: torch.Tensor,  # [B] float64 in [0, 1)
+) -> torch.Tensor:  # [B] int64
+    """Inverse-CDF draw: token i with probability ``probs[i] / probs.sum()``, per row.
+
+    With ``u`` in [0, 1), ``v = (1 - u) * total`` lies in (0, total]; the first index whose
+    cumulative mass is ``>= v`` has a cumulative mass strictly above its predecessor's,
+    so its probability is positive: a zero-probability token is never returned, and the
+    index never runs past the vocabulary. Rows need not be normalised.
+    """
+    assert probs.dim() == 2 and uniforms.shape == probs.shape[:1], (probs.shape, uniforms.shape)
+    cdf = probs.to(torch.float64).cumsum(dim=-1)  # [B, V]
+    targets = (1.0 - uniforms.to(cdf)).unsqueeze(-1) * cdf[:, -1:]  # [B, 1] in (0, total]
+    return torch.searchsorted(cdf, targets, right=False).squeeze(-1)  # [B] int64
+
+
+def sample(
+    probs: torch.Tensor,  # [B, V] float32
+    generators: Sequence[torch.Generator],
+) -> torch.Tensor:  # [B] int64
+    """One token per row, row r drawn with ``generators[r]`` (one uniform per row)."""
+    if probs.dim() != 2 or not probs.is_floating_point():
+        raise ValueError(f"probs must be a float tensor of shape [B, V], got {tuple(probs.shape)} {probs.dtype}")
+    _check_generators(generators)
+    if len(generators) != probs.shape[0]:
+        raise ValueError(f"need one torch.Generator per row: {probs.shape[0]} rows, {len(generators)} generators")
+    if probs.shape[1] == 0 or not bool((probs.sum(dim=-1) > 0).all()):
+        raise ValueError("every row of probs needs positive mass; build it with vlmspec.sampling.target_probs")
+    uniforms = draw_uniforms(generators, 1, probs.device)[:, 0]  # [B]
+    return sample_from_uniforms(probs, uniforms)
+
+
+def _check_logits(logits: torch.Tensor) -> None:
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() == 0:
+        raise ValueError(
+            "logits must be a floating-point tensor of shape [..., V]; pass the model's logits as they are"
+        )
+    if logits.shape[-1] == 0:
+        raise ValueError("logits have an empty vocabulary dimension (V == 0)")
+
+
+def _check_generators(generators: Sequence[torch.Generator]) -> None:
+    if isinstance(generators, torch.Generator) or not all(isinstance(g, torch.Generator) for g in generators):
+        raise ValueError(
+            "generators must be a list with one torch.Generator per row, "
+            "e.g. [torch.Generator().manual_seed(seed + r) for r in range(B)]"
+        )

@@ -1,0 +1,208 @@
+"""Verification of draft blocks: greedy matching and lossless rejection sampling.
+
+Pure tensor functions, batched over B requests. Request r drafted ``num_tokens[r]``
+tokens x_0 .. x_{n-1} (its row is padded to gamma; padding is never looked at). The
+target scored them in one forward pass: ``target_*[r, k]`` is the target's prediction for
+draft slot k given everything before it, and slot ``num_tokens[r]`` (at most gamma) is
+the bonus slot that follows a fully accepted block.
+
+Vocabulary (the convention the field reports, see ``vlmspec.types``):
+
+* **accepted** - a leading draft token that survived verification. Greedy: it equals the
+  target's argmax. Sampled: it passed the test ``u < target_probs(x) / draft_probs(x)``.
+* **recovered** - at the first rejection (slot k), the target's replacement. Greedy: the
+  argmax at k. Sampled: a draw from the residual ``norm(max(target_probs - draft_probs, 0))``
+  at k, which is what makes the output distribution exactly the target's.
+* **bonus** - after a fully accepted block, one more token drawn from the target at slot
+  ``num_tokens[r]`` (argmax when greedy). A row with ``num_tokens == 0`` gets only this.
+* **tau** - tokens committed per round = accepted + 1 (the recovered or the bonus token).
+
+``VerifyResult.num_accepted[r]`` counts the accepted tokens; ``next_tokens[r]`` is the
+recovered token when ``num_accepted[r] < num_tokens[r]`` and the bonus token otherwise.
+
+Randomness: row r draws ``gamma + 1`` uniforms from ``generators[r]`` in one call per
+round, always the same count whatever happens (gamma acceptance tests, then one for the
+next token), so results depend only on the seeds and the inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from vlmspec import sampling
+from vlmspec.types import DraftBlock, SamplingParams, VerifyResult
+
+__all__ = ["verify", "verify_greedy", "verify_rejection"]
+
+
+def verify(
+    block: DraftBlock,
+    target_logits: torch.Tensor,  # [B, gamma + 1, V] any float dtype
+    params: SamplingParams,
+    generators: Sequence[torch.Generator] | None = None,
+) -> VerifyResult:
+    """Verify ``block`` against the target's logits under the target's own sampling ``params``.
+
+    Greedy params need no generators (any given are left untouched); sampling params need
+    one ``torch.Generator`` per request.
+    """
+    if params.greedy:
+        return verify_greedy(block, target_logits)
+    if generators is None:
+        raise ValueError("sampling (temperature > 0) needs generators: one torch.Generator per request")
+    return verify_rejection(block, sampling.target_probs(target_logits, params), generators)
+
+
+def verify_greedy(
+    block: DraftBlock,
+    target_logits: torch.Tensor,  # [B, gamma + 1, V] any float dtype
+) -> VerifyResult:
+    """Accept while the draft token equals the target's argmax; then emit the target's argmax.
+
+    The next token is the argmax at the first mismatch (recovered) or at slot
+    ``num_tokens[r]`` (bonus). Ties in the argmax go to the lowest index, as ``torch.argmax``.
+    """
+    tokens, num_tokens = _check_block(block, target_logits, "target_logits")
+    target_argmax = target_logits.argmax(dim=-1)  # [B, gamma + 1]
+    matches = tokens == target_argmax[:, : block.gamma]  # [B, gamma]
+    num_accepted = _count_leading_true(matches & _real_slots(num_tokens, block.gamma))  # [B]
+    next_tokens = target_argmax.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # [B]
+    return VerifyResult(num_accepted=num_accepted, next_tokens=next_tokens)
+
+
+def verify_rejection(
+    block: DraftBlock,
+    target_probs: torch.Tensor,  # [B, gamma + 1, V] float32, from vlmspec.sampling.target_probs
+    generators: Sequence[torch.Generator],
+) -> VerifyResult:
+    """Lossless rejection sampling: the committed tokens follow ``target_probs`` exactly.
+
+    Left to right, draft x_k is accepted with probability
+    ``min(1, target_probs[k, x_k] / draft_probs[k, x_k])``. At the first rejection the
+    recovered token is drawn from the residual at that slot; after a fully accepted block
+    the bonus is drawn from ``target_probs`` at slot ``num_tokens[r]``. A block without
+    ``draft_probs`` came from a deterministic drafter: its distribution is the one-hot of
+    its token, so x_k survives with probability ``target_probs[k, x_k]`` and the residual
+    is the target with x_k removed.
+    """
+    tokens, num_tokens = _check_block(block, target_probs, "target_probs")
+    _check_probs(block, target_probs, generators)
+    batch, gamma = tokens.shape
+    uniforms = sampling.draw_uniforms(generators, gamma + 1, target_probs.device)  # [B, gamma + 1] float64
+    real = _real_slots(num_tokens, gamma)  # [B, gamma]
+    safe_tokens = torch.where(real, tokens, 0)  # [B, gamma], padding may hold any id
+
+    target_at_draft = _probs_of(target_probs[:, :gamma], safe_tokens)  # [B, gamma]
+    if block.draft_probs is None:
+        draft_at_draft = torch.ones_like(target_at_draft)  # one-hot drafts put all mass on x_k
+    else:
+        draft_at_draft = _probs_of(block.draft_probs, safe_tokens)  # [B, gamma]
+    # u < t / d, written without a division: t >= d always passes, t == 0 never does.
+    passed = uniforms[:, :gamma] * draft_at_draft < target_at_draft  # [B, gamma]
+    num_accepted = _count_leading_true(passed & real)  # [B]
+
+    rows = torch.arange(batch, device=target_probs.device)  # [B]
+    target_at_next = target_probs[rows, num_accepted]  # [B, V]
+    next_probs = _next_token_probs(block, safe_tokens, target_at_next, num_accepted, num_tokens)  # [B, V]
+    next_tokens = sampling.sample_from_uniforms(next_probs, uniforms[:, gamma])  # [B]
+    return VerifyResult(num_accepted=num_accepted, next_tokens=next_tokens)
+
+
+def _next_token_probs(
+    block: DraftBlock,
+    safe_tokens: torch.Tensor,  # [B, gamma] int64, padding replaced by 0
+    target_at_next: torch.Tensor,  # [B, V] float32, target_probs at slot num_accepted
+    num_accepted: torch.Tensor,  # [B] int64
+    num_tokens: torch.Tensor,  # [B] int64
+) -> torch.Tensor:  # [B, V] float32
+    """The target itself for a bonus, the residual at the rejected slot for a recovery."""
+    gamma = block.gamma
+    if gamma == 0:
+        return target_at_next  # nothing was drafted: every row takes the bonus
+    rows = torch.arange(safe_tokens.shape[0], device=safe_tokens.device)  # [B]
+    slot = num_accepted.clamp(max=gamma - 1)  # [B]; bonus rows read a dummy slot, discarded below
+    if block.draft_probs is None:
+        rejected = safe_tokens[rows, slot].unsqueeze(1)  # [B, 1]
+        draft_at_next = torch.zeros_like(target_at_next).scatter_(1, rejected, 1.0)  # [B, V] one-hot
+    else:
+        draft_at_next = block.draft_probs[rows, slot]  # [B, V]
+    is_bonus = (num_accepted == num_tokens).unsqueeze(1)  # [B, 1]
+    return torch.where(is_bonus, target_at_next, sampling.residual_probs(target_at_next, draft_at_next))
+
+
+def _probs_of(
+    probs: torch.Tensor,  # [B, gamma, V]
+    tokens: torch.Tensor,  # [B, gamma] int64
+) -> torch.Tensor:  # [B, gamma]
+    """The probability each slot's distribution gives its own token, in one gather."""
+    return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def _real_slots(num_tokens: torch.Tensor, gamma: int) -> torch.Tensor:  # num_tokens [B] -> [B, gamma] bool
+    """True where a slot holds a real draft token, False on padding."""
+    return torch.arange(gamma, device=num_tokens.device) < num_tokens.unsqueeze(1)
+
+
+def _count_leading_true(mask: torch.Tensor) -> torch.Tensor:  # mask [B, gamma] bool -> [B] int64
+    """Length of the all-True prefix of each row: the first False truncates the rest."""
+    return mask.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def _check_block(
+    block: DraftBlock,
+    target: torch.Tensor,  # [B, gamma + 1, V]
+    target_name: str,
+) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [B, gamma] int64, num_tokens [B] int64
+    """Validate shapes and ranges of a block against the target tensor (one host sync)."""
+    tokens, num_tokens = block.tokens, block.num_tokens
+    if tokens.dim() != 2 or tokens.dtype.is_floating_point:
+        raise ValueError(f"block.tokens must be an integer tensor [B, gamma], got {tuple(tokens.shape)} {tokens.dtype}")
+    batch, gamma = tokens.shape
+    if num_tokens.shape != (batch,) or num_tokens.dtype.is_floating_point:
+        raise ValueError(f"block.num_tokens must be an integer tensor [B] = [{batch}], got {tuple(num_tokens.shape)}")
+    if target.dim() != 3 or target.shape[:2] != (batch, gamma + 1) or not target.is_floating_point():
+        raise ValueError(
+            f"{target_name} must be a float tensor [B, gamma + 1, V] = [{batch}, {gamma + 1}, V] "
+            f"(one slot per draft token plus the bonus slot), got {tuple(target.shape)} {target.dtype}"
+        )
+    tokens, num_tokens = tokens.long(), num_tokens.long()
+    vocab = target.shape[2]
+    real = _real_slots(num_tokens, gamma)
+    out_of_range = ((num_tokens < 0) | (num_tokens > gamma)).any() | (real & ((tokens < 0) | (tokens >= vocab))).any()
+    if bool(out_of_range):
+        raise ValueError(
+            f"block has num_tokens outside [0, gamma={gamma}] or real draft tokens outside the target's "
+            f"vocabulary [0, {vocab}); clamp num_tokens and map draft ids into the target's vocabulary"
+        )
+    return tokens, num_tokens
+
+
+def _check_probs(
+    block: DraftBlock,
+    target_probs: torch.Tensor,  # [B, gamma + 1, V]
+    generators: Sequence[torch.Generator],
+) -> None:
+    if target_probs.dtype != torch.float32:
+        raise ValueError(
+            f"target_probs must be float32, got {target_probs.dtype}; build them with vlmspec.sampling.target_probs"
+        )
+    draft_probs = block.draft_probs
+    if draft_probs is not None:
+        expected = (*block.tokens.shape, target_probs.shape[2])
+        if tuple(draft_probs.shape) != expected:
+            raise ValueError(
+                f"block.draft_probs must have shape [B, gamma, V] = {list(expected)} (V of the target; pad a "
+                f"smaller draft vocabulary with zeros), got {list(draft_probs.shape)}"
+            )
+        if draft_probs.dtype != torch.float32:
+            raise ValueError(
+                f"block.draft_probs must be float32, the distribution the drafts were sampled from, got "
+                f"{draft_probs.dtype}; sample the drafts from float32 probabilities and pass those"
+            )
+    if isinstance(generators, torch.Generator) or len(generators) != block.tokens.shape[0]:
+        raise ValueError(
+            f"need one torch.Generator per request ({block.tokens.shape[0]}), got "
+            f"{'a single generator' if isinstance(generators, torch.Generator) else len(generators)}"
+        )
