@@ -100,9 +100,7 @@ class QwenVLTarget:
         device: str | torch.device = "cpu",
     ) -> "QwenVLTarget":
         """Load a Qwen-VL model and its processor from a local directory (no hub access)."""
-        from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
-
-        from vlmspec.target.tiny import allow_processor_without_video
+        from transformers import AutoConfig, AutoModelForImageTextToText
 
         path = Path(path)
         if not (path / "config.json").is_file():
@@ -119,12 +117,18 @@ class QwenVLTarget:
                 import flash_attn  # noqa: F401
             except ImportError as err:
                 raise ImportError("flash_attention_2 needs the gpu extra: pip install 'vlmspec[gpu]'") from err
-        allow_processor_without_video()
         model = AutoModelForImageTextToText.from_pretrained(
             path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, local_files_only=True
         ).to(device)
-        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
-        return cls(model, processor, name=str(path))
+        return cls(model, load_processor(path, config.model_type), name=str(path))
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Save model, tokenizer, image processor and chat template so :meth:`from_pretrained` reloads them."""
+        path = Path(path)
+        self.model.save_pretrained(path)
+        self.processor.tokenizer.save_pretrained(path)
+        self.processor.image_processor.save_pretrained(path)
+        (path / "chat_template.jinja").write_text(self.processor.chat_template or self.tokenizer.chat_template)
 
     # --------------------------------------------------------------- properties
     @property
@@ -223,7 +227,7 @@ class QwenVLTarget:
                 )
         return layers
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def prefill(
         self,
         inputs: TargetInputs,
@@ -255,7 +259,7 @@ class QwenVLTarget:
         state.length = inputs.length
         return state, TargetStep(logits=logits[0], features=features, positions=positions_1d)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def verify(self, state: RequestState, tokens: Sequence[int] | torch.Tensor) -> TargetStep:
         """One forward over ``tokens`` appended after the committed ones.
 
@@ -286,7 +290,7 @@ class QwenVLTarget:
         state.length -= drop
         state.uncommitted = 0
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward_sequence(
         self, inputs: TargetInputs, feature_layers: Sequence[int], position_rule: str = DEFAULT_POSITION_RULE
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -370,6 +374,40 @@ class QwenVLTarget:
         finally:
             for handle in handles:
                 handle.remove()
+
+
+def load_processor(path: str | os.PathLike, model_type: str):
+    """The Qwen-VL processor of a local model directory, built from its parts.
+
+    ``AutoProcessor`` would also build the video processor, which needs torchvision;
+    images never need it, so the processor is assembled from the tokenizer, the image
+    processor and the chat template with ``video_processor=None``.
+    """
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
+
+    from vlmspec.target.tiny import allow_processor_without_video
+
+    allow_processor_without_video()
+    path = Path(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
+    processor_class = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor}.get(model_type, Qwen3VLProcessor)
+    return processor_class(
+        image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=_chat_template(path, tokenizer)
+    )
+
+
+def _chat_template(path: Path, tokenizer) -> str:
+    """The processor's chat template (chat_template.jinja / .json), else the tokenizer's."""
+    import json
+
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    if (path / "chat_template.json").is_file():
+        return json.loads((path / "chat_template.json").read_text())["chat_template"]
+    if tokenizer.chat_template:
+        return tokenizer.chat_template
+    raise ValueError(f"no chat template in {str(path)!r}: add chat_template.jinja (the model's processor template)")
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
