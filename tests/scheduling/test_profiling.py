@@ -1,0 +1,164 @@
+"""SPS tables: measuring, JSON round trip, refusing bad or mismatched tables, presets, plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from vlmspec.scheduling import SPSMeta, SPSTable, measure_sps, plot_sps, profile_forward, sps_preset
+from vlmspec.scheduling.profiling import PRESETS
+
+META = SPSMeta(
+    model="Qwen/Qwen2.5-VL-3B-Instruct", device="cuda:0", dtype="bfloat16", context_length=1024, hardware="H200"
+)
+
+
+class FakeClock:
+    """A clock that only advances when the fake forward runs: n tokens take n * 10 ms (+ outliers)."""
+
+    def __init__(self, outlier_every: int = 0) -> None:
+        self.now = 0.0
+        self.calls: list[int] = []
+        self.outlier_every = outlier_every
+
+    def __call__(self) -> float:
+        return self.now
+
+    def step(self, n: int) -> None:
+        self.calls.append(n)
+        slow = self.outlier_every and len(self.calls) % self.outlier_every == 0
+        self.now += 0.010 * n * (50 if slow else 1)
+
+
+def test_measure_sps_uses_warmup_repeats_and_the_median() -> None:
+    clock = FakeClock(outlier_every=4)  # every 4th call is 50x slower: the median must ignore it
+    synced = []
+    table = measure_sps(
+        clock.step, 3, meta=META, warmup=2, repeats=5, clock=clock, synchronize=lambda: synced.append(1)
+    )
+    assert table.tokens == (1, 2, 3)
+    assert table.steps_per_s == pytest.approx((100.0, 50.0, 100.0 / 3))
+    assert clock.calls == [1] * 7 + [2] * 7 + [3] * 7  # 2 warm-up + 5 timed per token count
+    assert len(synced) == 3 * (1 + 5)
+    assert table.meta.warmup == 2 and table.meta.repeats == 5 and table.meta.model == META.model
+
+
+def test_measure_sps_on_selected_token_counts() -> None:
+    clock = FakeClock()
+    table = measure_sps(clock.step, 64, meta=META, warmup=0, repeats=1, token_counts=[64, 1, 8], clock=clock)
+    assert table.tokens == (1, 8, 64)
+    assert table.sps(4) == pytest.approx(1 / 0.04)  # step time is interpolated linearly between 1 and 8
+    with pytest.raises(ValueError, match="token_counts"):
+        measure_sps(clock.step, 8, meta=META, token_counts=[16], clock=clock)
+
+
+def test_profile_forward_fills_in_the_metadata() -> None:
+    clock = FakeClock()
+    table = profile_forward(
+        clock.step, 4, model="tiny", device="cpu", dtype="float32", context_length=300, warmup=0, repeats=1
+    )
+    assert table.tokens == (1, 2, 3, 4)
+    assert (table.meta.model, table.meta.device, table.meta.dtype, table.meta.context_length) == (
+        "tiny",
+        "cpu",
+        "float32",
+        300,
+    )
+    assert "CPU threads" in table.meta.hardware and table.meta.torch_version and table.meta.created
+
+
+def test_round_trip_through_json(tmp_path: Path) -> None:
+    table = SPSTable((1, 2, 4, 8), (50.0, 49.5, 48.0, 40.25), META)
+    path = table.save(tmp_path / "sps.json")
+    loaded = SPSTable.load(
+        path, expect_model=META.model, expect_device="cuda:0", expect_dtype="bfloat16", expect_context_length=1024
+    )
+    assert loaded == table
+    assert sps_preset("gpu_like", 32) == SPSTable.load(sps_preset("gpu_like", 32).save(tmp_path / "g.json"))
+
+
+def test_mismatched_table_is_refused_with_how_to_regenerate(tmp_path: Path) -> None:
+    path = SPSTable((1, 2), (50.0, 49.0), META).save(tmp_path / "sps.json")
+    with pytest.raises(ValueError, match="model is 'Qwen/Qwen2.5-VL-3B-Instruct', expected 'other'.*vlmspec profile"):
+        SPSTable.load(path, expect_model="other")
+    with pytest.raises(ValueError, match="context_length is 1024, expected 4096"):
+        SPSTable.load(path, expect_context_length=4096)
+    with pytest.raises(ValueError, match="dtype"):
+        SPSTable.load(path, expect_dtype="float32")
+
+
+def valid_document() -> dict:
+    return SPSTable((1, 2, 3), (50.0, 49.0, 47.0), META).to_dict()
+
+
+def broken(change) -> dict:
+    document = valid_document()
+    change(document)
+    return document
+
+
+@pytest.mark.parametrize(
+    "document, message",
+    [
+        ([1, 2, 3], "JSON object"),
+        (broken(lambda d: d.update(format="something")), "'format' must be"),
+        (broken(lambda d: d.update(version=99)), "version 99"),
+        (broken(lambda d: d.pop("steps_per_s")), "'steps_per_s' is missing"),
+        (broken(lambda d: d["meta"].pop("model")), "lacks \\['model'\\]"),
+        (broken(lambda d: d["meta"].update(colour="red")), "unknown keys"),
+        (broken(lambda d: d.update(tokens=[1, 3, 2])), "strictly increasing"),
+        (broken(lambda d: d.update(tokens=[1, 1, 2])), "strictly increasing"),
+        (broken(lambda d: d.update(tokens=[0, 1, 2])), "integers >= 1"),
+        (broken(lambda d: d.update(steps_per_s=[50.0, -1.0, 47.0])), "finite number > 0"),
+        (broken(lambda d: d.update(steps_per_s=[50.0, 0.0, 47.0])), "finite number > 0"),
+        (broken(lambda d: d.update(steps_per_s=[50.0, 49.0])), "3 token counts but 2"),
+        (broken(lambda d: d.update(tokens=[], steps_per_s=[])), "no entries"),
+    ],
+)
+def test_malformed_table_is_refused(tmp_path: Path, document, message: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(document))
+    with pytest.raises(ValueError, match=message) as err:
+        SPSTable.load(path)
+    assert str(path) in str(err.value) and "vlmspec profile" in str(err.value)
+
+
+def test_unreadable_or_missing_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        SPSTable.load(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="no SPS table at .*vlmspec profile"):
+        SPSTable.load(tmp_path / "missing.json")
+
+
+def test_lookup_interpolates_inside_and_refuses_outside() -> None:
+    table = SPSTable((1, 3), (100.0, 50.0), META)  # 10 ms and 20 ms per step
+    assert table.sps(1) == 100.0 and table.sps(2) == pytest.approx(1 / 0.015)
+    with pytest.raises(ValueError, match="covers 1..3 tokens in flight, not 4.*--max-tokens 4"):
+        table.sps(4)
+    values = table.steps_per_second([0, 2, 4])
+    assert math.isnan(values[0]) and math.isnan(values[2])
+
+
+def test_presets() -> None:
+    appendix = sps_preset("appendix_a")
+    assert dict(zip(appendix.tokens, appendix.steps_per_s)) == {1: 1.0, 2: 0.5, 3: 0.45}
+    cpu = sps_preset("cpu", 1024)
+    assert 1.5 <= cpu.sps(1) / cpu.sps(8) <= 1.9  # environment-notes: verifying 8 tokens costs 1.5-1.9x one step
+    gpu = sps_preset("gpu_like", 1024)
+    assert gpu.sps(64) / gpu.sps(1) > 0.95  # flat-ish while memory-bound
+    assert gpu.sps(1024) / gpu.sps(1) < 0.3  # decaying at large batch
+    assert all(a >= b for a, b in zip(gpu.steps_per_s, gpu.steps_per_s[1:]))
+    assert "synthetic" in gpu.meta.notes
+    assert set(PRESETS) == {"appendix_a", "gpu_like", "cpu"}
+    with pytest.raises(ValueError, match="unknown SPS preset"):
+        sps_preset("tpu")
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    path = plot_sps([sps_preset("cpu", 64), sps_preset("gpu_like", 64)], tmp_path / "sps.png", labels=["cpu", "gpu"])
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

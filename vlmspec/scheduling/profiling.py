@@ -1,0 +1,442 @@
+"""SPS profiling: the target's forward steps per second against the tokens in flight.
+
+The hardware-aware schedulers weigh expected accepted tokens against what a larger
+verification batch costs. That cost is a measured curve, ``SPS(B)``: forward passes per
+second when the target processes ``B`` tokens in one forward (at a given context
+length). This module measures it (:func:`measure_sps`, :func:`profile_forward`), stores
+it with what it was measured on (:class:`SPSTable`, JSON), refuses tables that are
+malformed or were measured for something else, offers named synthetic presets
+(:func:`sps_preset`), and plots curves (:func:`plot_sps`).
+
+Nothing here knows about models: a profiled "step" is any callable ``step(n)`` that runs
+one forward with ``n`` tokens in flight.
+
+JSON layout of a saved table (``format`` and ``version`` are checked on load)::
+
+    {"format": "vlmspec.sps_table", "version": 1,
+     "tokens": [1, 2, 3, ...],              # strictly increasing token counts B
+     "steps_per_s": [48.1, 47.9, ...],      # forward passes per second at each B
+     "meta": {"model": ..., "device": ..., "dtype": ..., "context_length": ...,
+              "hardware": ..., "model_config": {...}, "torch_version": ...,
+              "created": ..., "source": "measured", "warmup": 3, "repeats": 10, "notes": ""}}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMAT = "vlmspec.sps_table"
+VERSION = 1
+PRESETS = ("appendix_a", "gpu_like", "cpu")
+
+_REGENERATE = "regenerate it with `vlmspec profile --model <target> --out <table.json>`"
+
+
+@dataclass
+class SPSMeta:
+    """What an SPS table was measured on. Two tables are comparable only if these agree."""
+
+    model: str  # model name or path (or "preset:<name>")
+    device: str  # torch device string, e.g. "cuda:0" or "cpu"
+    dtype: str  # e.g. "bfloat16"
+    context_length: int | None  # tokens already in the KV cache while timing; None = synthetic
+    hardware: str = ""  # e.g. "NVIDIA H200" or "2 CPU threads"
+    model_config: dict[str, Any] = field(default_factory=dict)  # small JSON summary (hidden, layers, vocab)
+    torch_version: str = torch.__version__
+    created: str = field(
+        default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    )
+    source: str = "measured"  # "measured" or "preset:<name>"
+    warmup: int | None = None
+    repeats: int | None = None
+    notes: str = ""
+
+    def mismatches(
+        self,
+        *,
+        model: str | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        context_length: int | None = None,
+        hardware: str | None = None,
+    ) -> list[str]:
+        """Human-readable differences from what a caller expects (fields passed as None are not checked)."""
+        expected = {
+            "model": model,
+            "device": device,
+            "dtype": dtype,
+            "context_length": context_length,
+            "hardware": hardware,
+        }
+        return [
+            f"{name} is {getattr(self, name)!r}, expected {want!r}"
+            for name, want in expected.items()
+            if want is not None and getattr(self, name) != want
+        ]
+
+
+@dataclass(frozen=True)
+class SPSTable:
+    """A measured (or preset) cost curve: ``tokens[i]`` tokens in flight run at ``steps_per_s[i]`` forwards/s.
+
+    Lookups between tabulated token counts interpolate the *step time* linearly (the
+    natural quantity: cost grows roughly linearly between measured points). Token counts
+    outside ``[tokens[0], tokens[-1]]`` are not extrapolated: :meth:`sps` raises and
+    :meth:`steps_per_second` returns NaN, which the schedulers treat as "not feasible".
+    """
+
+    tokens: tuple[int, ...]
+    steps_per_s: tuple[float, ...]
+    meta: SPSMeta
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", tuple(self.tokens))
+        object.__setattr__(self, "steps_per_s", tuple(float(s) for s in self.steps_per_s))
+        problem = _table_problem(self.tokens, self.steps_per_s)
+        if problem:
+            raise ValueError(f"invalid SPS table: {problem}")
+
+    # -- lookup -------------------------------------------------------------------------
+    @property
+    def max_tokens(self) -> int:
+        return self.tokens[-1]
+
+    @property
+    def min_tokens(self) -> int:
+        return self.tokens[0]
+
+    def sps(self, num_tokens: int) -> float:
+        """Forward passes per second with ``num_tokens`` tokens in flight."""
+        value = float(self.steps_per_second(np.array([num_tokens]))[0])
+        if math.isnan(value):
+            raise ValueError(
+                f"the SPS table covers {self.min_tokens}..{self.max_tokens} tokens in flight, not {num_tokens}; "
+                f"profile a wider range (`vlmspec profile --max-tokens {max(num_tokens, self.max_tokens)}`) "
+                "or schedule fewer tokens"
+            )
+        return value
+
+    def steps_per_second(self, num_tokens: np.ndarray | torch.Tensor | Sequence[int]) -> np.ndarray:
+        """Vectorised :meth:`sps`: [n] token counts -> [n] float64 steps/s, NaN outside the table."""
+        query = np.asarray(num_tokens, dtype=np.float64)  # [n]
+        step_time = np.interp(query, self._tokens_array, self._step_time_array, left=np.nan, right=np.nan)
+        return 1.0 / step_time
+
+    @functools.cached_property
+    def _tokens_array(self) -> np.ndarray:
+        return np.asarray(self.tokens, dtype=np.float64)  # [T]
+
+    @functools.cached_property
+    def _step_time_array(self) -> np.ndarray:
+        return 1.0 / np.asarray(self.steps_per_s, dtype=np.float64)  # [T] seconds per forward
+
+    # -- checks and (de)serialisation ----------------------------------------------------
+    def check_matches(self, *, where: str = "SPS table", **expected: Any) -> None:
+        """Raise ValueError if the metadata differs from ``expected`` (see :meth:`SPSMeta.mismatches`)."""
+        problems = self.meta.mismatches(**expected)
+        if problems:
+            raise ValueError(f"{where} was measured for something else ({'; '.join(problems)}); {_REGENERATE}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "tokens": list(self.tokens),
+            "steps_per_s": list(self.steps_per_s),
+            "meta": dataclasses.asdict(self.meta),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, *, where: str = "SPS table") -> SPSTable:
+        """Build a table from :meth:`to_dict` output; ValueError naming ``where`` on any defect."""
+        problem = _document_problem(data)
+        if problem:
+            raise ValueError(f"{where} is not a valid SPS table: {problem}; {_REGENERATE}")
+        meta = SPSMeta(**{k: v for k, v in data["meta"].items() if k in _META_FIELDS})
+        return cls(tuple(data["tokens"]), tuple(data["steps_per_s"]), meta)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the table as JSON (parents created); returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        *,
+        expect_model: str | None = None,
+        expect_device: str | None = None,
+        expect_dtype: str | None = None,
+        expect_context_length: int | None = None,
+        expect_hardware: str | None = None,
+    ) -> SPSTable:
+        """Read a table saved by :meth:`save`; refuse it if malformed or measured for something else.
+
+        Every ``expect_*`` given must equal the stored metadata exactly; a table measured
+        for another model, device, dtype or context length describes other costs.
+        """
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(
+                f"no SPS table at {path}; create one with `vlmspec profile --model <target> --out {path}`"
+            ) from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} is not valid JSON ({err}); {_REGENERATE}") from None
+        table = cls.from_dict(data, where=str(path))
+        table.check_matches(
+            where=str(path),
+            model=expect_model,
+            device=expect_device,
+            dtype=expect_dtype,
+            context_length=expect_context_length,
+            hardware=expect_hardware,
+        )
+        return table
+
+
+_META_FIELDS = {f.name for f in dataclasses.fields(SPSMeta)}
+_REQUIRED_META = ("model", "device", "dtype", "context_length")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _table_problem(tokens: Sequence[Any], steps_per_s: Sequence[Any]) -> str | None:
+    """What is wrong with a (tokens, steps/s) pair, or None."""
+    if len(tokens) == 0:
+        return "it has no entries"
+    if len(tokens) != len(steps_per_s):
+        return f"{len(tokens)} token counts but {len(steps_per_s)} steps/s values"
+    if not all(_is_int(t) and t >= 1 for t in tokens):
+        return f"token counts must be integers >= 1, got {list(tokens)[:8]}..."
+    if any(b <= a for a, b in zip(tokens, tokens[1:])):
+        return "token counts must be strictly increasing"
+    if not all(
+        isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s > 0 for s in steps_per_s
+    ):
+        return "every steps/s value must be a finite number > 0"
+    return None
+
+
+def _document_problem(data: Any) -> str | None:
+    """What is wrong with a decoded JSON document, or None."""
+    if not isinstance(data, dict):
+        return "the top level must be a JSON object"
+    if data.get("format") != FORMAT:
+        return f"'format' must be {FORMAT!r}, got {data.get('format')!r}"
+    if data.get("version") != VERSION:
+        return f"version {data.get('version')!r} is not supported (this vlmspec reads version {VERSION})"
+    for key in ("tokens", "steps_per_s", "meta"):
+        if key not in data:
+            return f"the key {key!r} is missing"
+    if not isinstance(data["tokens"], list) or not isinstance(data["steps_per_s"], list):
+        return "'tokens' and 'steps_per_s' must be lists"
+    meta = data["meta"]
+    if not isinstance(meta, dict):
+        return "'meta' must be an object"
+    missing = [k for k in _REQUIRED_META if k not in meta]
+    if missing:
+        return f"'meta' lacks {missing}"
+    unknown = sorted(set(meta) - _META_FIELDS)
+    if unknown:
+        return f"'meta' has unknown keys {unknown}"
+    return _table_problem(data["tokens"], data["steps_per_s"])
+
+
+# -- measuring ------------------------------------------------------------------------------
+
+
+def measure_sps(
+    step: Callable[[int], None],
+    max_tokens: int,
+    *,
+    meta: SPSMeta,
+    warmup: int = 3,
+    repeats: int = 10,
+    token_counts: Sequence[int] | None = None,
+    synchronize: Callable[[], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> SPSTable:
+    """Time ``step(n)`` (one forward with ``n`` tokens in flight) and tabulate steps/s.
+
+    For each token count (default: every n in 1..max_tokens) the step runs ``warmup``
+    untimed times, then ``repeats`` timed times; the table holds 1 / median time.
+    ``synchronize`` (e.g. ``torch.cuda.synchronize``) runs before each clock read, so
+    asynchronous devices are timed to completion. ``meta`` says what was measured; its
+    ``warmup``/``repeats`` fields are filled in here.
+    """
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    counts = list(range(1, max_tokens + 1)) if token_counts is None else sorted(set(token_counts))
+    if not counts or not all(_is_int(n) and 1 <= n <= max_tokens for n in counts):
+        raise ValueError(f"token_counts must be integers in 1..max_tokens={max_tokens}, got {token_counts!r}")
+    if not _is_int(warmup) or warmup < 0 or not _is_int(repeats) or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup!r}, repeats={repeats!r}")
+    sync = synchronize or (lambda: None)
+    sps = [1.0 / _median_step_time(step, n, warmup, repeats, sync, clock) for n in counts]
+    return SPSTable(tuple(counts), tuple(sps), dataclasses.replace(meta, warmup=warmup, repeats=repeats))
+
+
+def _median_step_time(
+    step: Callable[[int], None], n: int, warmup: int, repeats: int, sync: Callable[[], None], clock: Callable[[], float]
+) -> float:
+    for _ in range(warmup):
+        step(n)
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        step(n)
+        sync()
+        times.append(clock() - start)
+    median = statistics.median(times)
+    if not median > 0:
+        raise ValueError(f"step({n}) took {median} s (median); the clock must advance while a step runs")
+    return median
+
+
+def profile_forward(
+    forward: Callable[[int], None],
+    max_tokens: int,
+    *,
+    model: str,
+    device: str,
+    dtype: str,
+    context_length: int,
+    model_config: dict[str, Any] | None = None,
+    hardware: str = "",
+    warmup: int = 3,
+    repeats: int = 10,
+    token_counts: Sequence[int] | None = None,
+) -> SPSTable:
+    """Profile a target's forward for the engine: :func:`measure_sps` plus the metadata.
+
+    ``forward(n)`` must run the target once with ``n`` new tokens on top of a KV cache
+    holding ``context_length`` tokens and leave the cache as it found it. On CUDA devices
+    every timing is synchronised.
+    """
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
+    if not hardware and torch.device(device).type == "cuda" and torch.cuda.is_available():
+        hardware = torch.cuda.get_device_name(torch.device(device))
+    if not hardware and torch.device(device).type == "cpu":
+        hardware = f"{torch.get_num_threads()} CPU threads"
+    meta = SPSMeta(
+        model=model,
+        device=device,
+        dtype=dtype,
+        context_length=context_length,
+        hardware=hardware,
+        model_config=dict(model_config or {}),
+    )
+    return measure_sps(
+        forward, max_tokens, meta=meta, warmup=warmup, repeats=repeats, token_counts=token_counts, synchronize=sync
+    )
+
+
+# -- presets ----------------------------------------------------------------------------------
+
+
+def sps_preset(name: str, max_tokens: int = 1024) -> SPSTable:
+    """A named curve (not a measurement; ``meta.source`` says ``preset:<name>``).
+
+    * ``appendix_a``: {1: 1.0, 2: 0.5, 3: 0.45}, the design notes' counterexample
+      (``max_tokens`` is ignored).
+    * ``gpu_like``: SYNTHETIC. Flat-ish while the forward is memory-bound, then decaying
+      once compute-bound: step time ``t(B) = 20 ms * (1 + B/2048 + knee((B - 256) / 256))``
+      with ``knee(x) = (x + sqrt(x^2 + 1/4)) / 2``, a smooth ``max(0, x)``. About 47 steps/s
+      idle, -4 % at 64 tokens, -23 % at 256, 4.3x slower at 1024.
+    * ``cpu``: the shape observed on this project's 2-thread CPU machines
+      (``environment-notes.md``: a Qwen2.5-0.5B shaped VL target takes 116 ms for one token
+      and 186 ms to verify 8, i.e. 1.6x; the notes' range is 1.5-1.9x). Modelled as
+      ``t(B) = 116 ms + 10 ms * (B - 1)``, linear beyond 8 tokens because a CPU forward is
+      compute-bound.
+    """
+    if name == "appendix_a":
+        meta = SPSMeta(
+            model="preset:appendix_a",
+            device="none",
+            dtype="none",
+            context_length=None,
+            source="preset:appendix_a",
+            notes="design notes, section 9 (Appendix A counterexample)",
+        )
+        return SPSTable((1, 2, 3), (1.0, 0.5, 0.45), meta)
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    tokens = tuple(range(1, max_tokens + 1))
+    if name == "gpu_like":
+        knee = [((b - 256) / 256 + math.sqrt(((b - 256) / 256) ** 2 + 0.25)) / 2 for b in tokens]
+        step_time = [0.020 * (1 + b / 2048 + k) for b, k in zip(tokens, knee)]
+        meta = SPSMeta(
+            model="preset:gpu_like",
+            device="cuda",
+            dtype="bfloat16",
+            context_length=None,
+            source="preset:gpu_like",
+            notes="synthetic: flat-ish while memory-bound, decaying past about 256 tokens",
+        )
+    elif name == "cpu":
+        step_time = [0.116 + 0.010 * (b - 1) for b in tokens]
+        meta = SPSMeta(
+            model="preset:cpu",
+            device="cpu",
+            dtype="float32",
+            context_length=300,
+            hardware="2 CPU threads",
+            source="preset:cpu",
+            notes="environment-notes.md: 0.5B-shaped VL, 116 ms 1-token step, 186 ms 8-token verify; linear",
+        )
+    else:
+        raise ValueError(f"unknown SPS preset {name!r}; choose one of {PRESETS} or load a measured table")
+    return SPSTable(tokens, tuple(1.0 / t for t in step_time), meta)
+
+
+# -- plotting -----------------------------------------------------------------------------------
+
+
+def plot_sps(tables: SPSTable | Sequence[SPSTable], path: str | Path, *, labels: Sequence[str] | None = None) -> Path:
+    """Write a PNG of steps/s and tokens/s (= B * SPS(B)) against tokens in flight, one line per table.
+
+    Needs matplotlib (the ``plot`` extra), imported here so the library does not depend on it.
+    """
+    from matplotlib.figure import Figure
+
+    tables = [tables] if isinstance(tables, SPSTable) else list(tables)
+    labels = list(labels) if labels is not None else [t.meta.model for t in tables]
+    if len(labels) != len(tables):
+        raise ValueError(f"got {len(labels)} labels for {len(tables)} tables")
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    ax_steps, ax_tokens = fig.subplots(1, 2)
+    for table, label in zip(tables, labels):
+        tokens, sps = np.asarray(table.tokens, dtype=np.float64), np.asarray(table.steps_per_s)
+        ax_steps.plot(tokens, sps / sps[0], label=label)
+        ax_tokens.plot(tokens, tokens * sps, label=label)
+    ax_steps.set(xlabel="tokens in flight B", ylabel="SPS(B) / SPS(first)", title="forward steps per second (relative)")
+    ax_tokens.set(xlabel="tokens in flight B", ylabel="tokens / s", title="tokens processed per second")
+    for ax in (ax_steps, ax_tokens):
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
