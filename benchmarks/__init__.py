@@ -1,0 +1,8 @@
+"""Benchmark scripts for vlmspec.
+
+Each script measures something end to end and writes a JSON file with every number, a
+markdown table and PNG plots into an output directory given on its command line. The
+shared pieces (timing, summary statistics, table / JSON / plot writers, progress bars)
+live in :mod:`benchmarks.common`. Run a script as a module from the repository root,
+e.g. ``python -m benchmarks.mmbench_spec --help``.
+"""
