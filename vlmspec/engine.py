@@ -29,7 +29,7 @@ import torch
 from vlmspec.drafters.base import NoDraft, Proposer
 from vlmspec.sampling import sample, target_probs
 from vlmspec.scheduling.base import Scheduler, VerifyAll
-from vlmspec.target.adapter import QwenVLTarget, RequestState
+from vlmspec.target.adapter import QwenVLTarget, RequestState, load_target
 from vlmspec.target.inputs import ImageLike, TargetInputs
 from vlmspec.types import ContextUpdate, DraftBlock, GenerationResult, SamplingParams, SpecStats
 from vlmspec.verify import verify
@@ -115,12 +115,12 @@ class SpecEngine:
         attn_implementation: str = "sdpa",
         device: str | torch.device = "cpu",
     ) -> "SpecEngine":
-        """Load a target from a local directory and attach a drafter.
+        """Load a target from a local directory (or ``tiny:FAMILY``) and attach a drafter.
 
         ``drafter`` is None (target alone), ``"prompt-lookup"``, the directory of a saved
         DSpark drafter, or any object implementing the Proposer protocol.
         """
-        target = QwenVLTarget.from_pretrained(target_dir, dtype=dtype, attn_implementation=attn_implementation, device=device)
+        target = load_target(target_dir, dtype=dtype, attn_implementation=attn_implementation, device=device)
         return cls(target, load_proposer(drafter, target), scheduler)
 
     # ------------------------------------------------------------------ public

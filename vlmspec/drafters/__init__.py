@@ -1,0 +1,6 @@
+"""Drafters: anything implementing the Proposer protocol (prompt lookup, DSpark)."""
+
+from vlmspec.drafters.base import NoDraft, Proposer
+from vlmspec.drafters.prompt_lookup import PromptLookup
+
+__all__ = ["NoDraft", "Proposer", "PromptLookup"]

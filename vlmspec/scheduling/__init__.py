@@ -10,6 +10,7 @@
 """
 
 from vlmspec.scheduling.base import Scheduler, VerifyAll, survival_probabilities
+from vlmspec.scheduling.factory import SCHEDULERS, build_scheduler, resolve_sps_table
 from vlmspec.scheduling.calibration import (
     Calibration,
     CalibratedScheduler,
@@ -25,6 +26,9 @@ from vlmspec.scheduling.sps import SPSArgmaxScheduler
 from vlmspec.scheduling.threshold import ThresholdScheduler
 
 __all__ = [
+    "SCHEDULERS",
+    "build_scheduler",
+    "resolve_sps_table",
     "Calibration",
     "CalibratedScheduler",
     "LaggedTopKScheduler",

@@ -1,11 +1,12 @@
 """Target adapters: the only part of vlmspec that knows Hugging Face and M-RoPE."""
 
-from vlmspec.target.adapter import QwenVLTarget, RequestState, TargetStep
+from vlmspec.target.adapter import QwenVLTarget, RequestState, TargetStep, load_target
 from vlmspec.target.inputs import TargetInputs, load_image
 from vlmspec.target.positions import DEFAULT_POSITION_RULE, POSITION_RULES, text_stream_positions
 
 __all__ = [
     "QwenVLTarget",
+    "load_target",
     "RequestState",
     "TargetStep",
     "TargetInputs",

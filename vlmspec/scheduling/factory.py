@@ -1,0 +1,67 @@
+"""Build a scheduler from a name and plain options (CLI flags, benchmark arguments)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from vlmspec.scheduling.base import Scheduler, VerifyAll
+from vlmspec.scheduling.calibration import CalibratedScheduler, Calibration
+from vlmspec.scheduling.prefix import LaggedTopKScheduler, PrefixScheduler
+from vlmspec.scheduling.profiling import PRESETS, SPSTable, sps_preset
+from vlmspec.scheduling.sps import SPSArgmaxScheduler
+from vlmspec.scheduling.threshold import ThresholdScheduler
+
+SCHEDULERS = ("none", "threshold", "sps", "prefix", "lagged-topk")
+
+
+def build_scheduler(
+    name: str,
+    *,
+    threshold: float | str = 0.5,
+    sps: SPSTable | str | os.PathLike | None = None,
+    lag: int | str = 2,
+    calibration: Calibration | str | os.PathLike | None = None,
+) -> Scheduler:
+    """The scheduler called ``name``.
+
+    ``sps`` (for ``sps``, ``prefix`` and ``lagged-topk``) is an :class:`SPSTable`, the path
+    of a table written by ``vlmspec profile``, or a preset name (``cpu``, ``gpu_like``,
+    ``appendix_a``). ``calibration`` (a :class:`Calibration` or the drafter directory /
+    ``calibration.json`` written by STS) makes the scheduler see calibrated confidences.
+    """
+    if name not in SCHEDULERS:
+        raise ValueError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULERS)}")
+    scheduler: Scheduler
+    if name == "none":
+        scheduler = VerifyAll()
+    elif name == "threshold":
+        scheduler = ThresholdScheduler(float(threshold))
+    else:
+        table = resolve_sps_table(sps, name)
+        if name == "sps":
+            scheduler = SPSArgmaxScheduler(table)
+        elif name == "prefix":
+            scheduler = PrefixScheduler(table)
+        else:
+            scheduler = LaggedTopKScheduler(table, lag=int(lag))
+    if calibration is not None:
+        if not isinstance(calibration, Calibration):
+            calibration = Calibration.load(calibration)
+        scheduler = CalibratedScheduler(scheduler, calibration)
+    return scheduler
+
+
+def resolve_sps_table(sps: SPSTable | str | os.PathLike | None, for_scheduler: str = "sps") -> SPSTable:
+    """An SPS table from a table object, a JSON path or a preset name."""
+    if isinstance(sps, SPSTable):
+        return sps
+    if sps is None:
+        raise ValueError(
+            f"the {for_scheduler!r} scheduler needs an SPS table: measure one with "
+            f"`vlmspec profile --target DIR --out sps.json` and pass sps='sps.json', or pass a preset ({', '.join(PRESETS)})"
+        )
+    if str(sps) in PRESETS:
+        return sps_preset(str(sps))
+    return SPSTable.load(Path(sps))
