@@ -1,0 +1,37 @@
+import json
+
+from vlmspec.cli import main
+
+
+def test_demo_runs_and_reports_identical_output(capsys):
+    assert main(["demo", "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr()
+    assert "RANDOM weights" in out.err
+    assert "tau:" in out.out and "output: identical" in out.out
+
+
+def test_generate_prints_the_answer_and_stats(capsys):
+    code = main(["generate", "--target", "tiny:qwen3_vl", "--prompt", "Hello there", "--max-new-tokens", "6", "--compare"])
+    assert code == 0
+    out = capsys.readouterr()
+    assert "speedup" in out.err and "output: identical" in out.err
+
+
+def test_user_errors_exit_2_with_the_fix(capsys):
+    assert main(["generate", "--target", "tiny:qwen2_vl", "--prompt", "hi", "--temperature", "-1"]) == 2
+    assert "temperature must be" in capsys.readouterr().err
+    assert main(["generate", "--target", "/no/such/dir", "--prompt", "hi"]) == 2
+    assert main(["generate", "--target", "tiny:qwen2_vl", "--prompt", "hi", "--scheduler", "sps"]) == 2
+    assert "vlmspec profile" in capsys.readouterr().err
+
+
+def test_profile_writes_a_table_the_schedulers_accept(tmp_path, capsys):
+    out = tmp_path / "sps.json"
+    args = ["profile", "--target", "tiny:qwen2_vl", "--out", str(out), "--max-tokens", "3",
+            "--context-length", "32", "--warmup", "1", "--repeats", "2"]  # fmt: skip
+    assert main(args) == 0
+    table = json.loads(out.read_text())
+    assert table["tokens"] == [1, 2, 3] and table["meta"]["context_length"] == 32
+    assert main(["generate", "--target", "tiny:qwen2_vl", "--prompt", "hi", "--max-new-tokens", "3",
+                 "--scheduler", "threshold", "--threshold", "0.2", "--drafter", "prompt-lookup"]) == 2  # no confidences
+    assert "confidence" in capsys.readouterr().err
