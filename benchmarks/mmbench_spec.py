@@ -487,38 +487,18 @@ def make_scheduler(name: str, options: Mapping[str, Any]):
 
 
 def load_engine(args: argparse.Namespace):
-    """A SpecEngine for ``--target`` (a directory, or ``tiny:FAMILY``) with ``--drafter`` and ``--scheduler``."""
+    """A SpecEngine for ``--target`` (a directory, ``tiny:FAMILY`` or ``small:FAMILY``) with ``--drafter`` and ``--scheduler``."""
     from vlmspec.drafters.prompt_lookup import PromptLookup
     from vlmspec.engine import SpecEngine, load_proposer
-    from vlmspec.target import QwenVLTarget
+    from vlmspec.target import load_target
 
     scheduler = make_scheduler(args.scheduler, parse_key_values(args.scheduler_arg))
-    if args.target.startswith("tiny:"):
-        target = tiny_target(args.target.split(":", 1)[1], args.dtype, args.device)
-    elif not Path(args.target).is_dir():
-        raise ValueError(f"--target {args.target!r} is not a directory; pass a saved Qwen-VL model or tiny:qwen2_vl")
-    elif args.drafter != "prompt-lookup":
-        return SpecEngine.from_pretrained(args.target, drafter=args.drafter, scheduler=scheduler, dtype=args.dtype,
-                                          attn_implementation=args.attn_implementation, device=args.device)  # fmt: skip
-    else:
-        target = QwenVLTarget.from_pretrained(
-            args.target, dtype=args.dtype, attn_implementation=args.attn_implementation, device=args.device
-        )
+    target = load_target(args.target, dtype=args.dtype, attn_implementation=args.attn_implementation, device=args.device)
     if args.drafter == "prompt-lookup":
         proposer = PromptLookup(max_draft_tokens=args.max_draft_tokens, max_ngram=args.max_ngram, min_ngram=args.min_ngram)
-    else:  # a drafter saved for a tiny target (e.g. by the recipe's smoke run)
+    else:
         proposer = load_proposer(args.drafter, target)
     return SpecEngine(target, proposer, scheduler)
-
-
-def tiny_target(family: str, dtype: str, device: str):
-    """A random-init tiny Qwen-VL of ``family`` with the real Qwen tokenizer: mechanics only, no meaningful speed."""
-    from vlmspec.target import QwenVLTarget
-    from vlmspec.target.adapter import resolve_dtype
-    from vlmspec.target.tiny import qwen_tokenizer, tiny_model, tiny_processor
-
-    model = tiny_model(family, dtype=resolve_dtype(dtype)).to(device)
-    return QwenVLTarget(model, tiny_processor(family, qwen_tokenizer()), name=f"tiny:{family}")
 
 
 @dataclass
@@ -638,7 +618,7 @@ def build_peers(engine, args: argparse.Namespace) -> list[Peer]:
 
 def assistant_peer(engine, assistant: str, target: str) -> Peer:
     """``generate(assistant_model=...)``: a smaller model of the target's family; loading problems are recorded."""
-    if assistant == "none" or (assistant == "auto" and not target.startswith("tiny:")):
+    if assistant == "none" or (assistant == "auto" and not target.startswith(("tiny:", "small:"))):
         return Peer("hf-assistant", "generate(assistant_model=...)", status="not run",
                     detail="no assistant given: pass --assistant DIR (a smaller Qwen-VL checkpoint of the same family)")  # fmt: skip
     try:

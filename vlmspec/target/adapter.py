@@ -387,12 +387,22 @@ def load_target(
     attn_implementation: str = "sdpa",
     device: str | torch.device = "cpu",
 ) -> QwenVLTarget:
-    """A target from a local model directory, or ``tiny:FAMILY`` for a random-init tiny model (mechanics only)."""
-    if str(spec).startswith("tiny:"):
+    """A target from a local model directory, or a random-init model of a real Qwen-VL architecture.
+
+    ``tiny:FAMILY`` is hidden 64 / 4 layers (tests); ``small:FAMILY`` is hidden 512 / 8
+    layers (benchmarks of the mechanics). Both use the real Qwen tokenizer and full
+    vocabulary; random weights say nothing about acceptance.
+    """
+    kind, _, family = str(spec).partition(":")
+    if kind in RANDOM_TARGET_SIZES and family:
         from vlmspec.target.tiny import tiny_target
 
-        return tiny_target(str(spec).split(":", 1)[1], dtype=resolve_dtype(dtype)).to_device(device)
+        target = tiny_target(family, dtype=resolve_dtype(dtype), **RANDOM_TARGET_SIZES[kind])
+        return target.to_device(device)
     return QwenVLTarget.from_pretrained(spec, dtype=dtype, attn_implementation=attn_implementation, device=device)
+
+
+RANDOM_TARGET_SIZES = {"tiny": {}, "small": {"hidden_size": 512, "num_layers": 8}}
 
 
 def load_processor(path: str | os.PathLike, model_type: str):

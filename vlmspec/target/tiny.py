@@ -180,4 +180,5 @@ def tiny_target(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float3
     from vlmspec.target.adapter import QwenVLTarget
 
     model = tiny_model(family, seed=seed, dtype=dtype, **config_overrides)
-    return QwenVLTarget(model, tiny_processor(family), name=f"tiny:{family}")
+    size = "tiny" if not config_overrides else "small" if config_overrides.get("hidden_size") == 512 else "custom"
+    return QwenVLTarget(model, tiny_processor(family), name=f"{size}:{family}")
