@@ -98,20 +98,27 @@ def allow_processor_without_video() -> None:
 
 def tiny_processor(family: str, tokenizer=None):
     """A Qwen-VL processor for ``family`` with small image budgets (112-224 px)."""
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen3VLProcessor
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
     _check_family(family)
     allow_processor_without_video()
     tokenizer = tokenizer or qwen_tokenizer()
     patch = 16 if family == "qwen3_vl" else 14
     unit = patch * 2  # one merged token covers 2x2 patches
-    image_processor = Qwen2VLImageProcessor(
+    image_processor = _image_processor_class()(
         patch_size=patch, merge_size=2, temporal_patch_size=2, min_pixels=(2 * unit) ** 2, max_pixels=(8 * unit) ** 2
     )
     processor_class = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[family]
     return processor_class(
         image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=QWEN_VL_CHAT_TEMPLATE
     )
+
+
+def _image_processor_class():
+    """The PIL image processor where transformers has one (the default needs torchvision)."""
+    import transformers
+
+    return getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
 
 
 def tiny_config(family: str, *, hidden_size: int = 64, num_layers: int = 4, vocab_size: int = QWEN_VOCAB_SIZE):
