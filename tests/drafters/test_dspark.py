@@ -1,0 +1,427 @@
+"""Unit tests of the DSpark drafter: config, backbone, context cache, heads, save/load, proposer.
+
+A small duck-typed stand-in target (vocabulary 96, hidden 32) keeps these fast; the
+real Qwen tokenizer and a tiny Qwen-VL model appear where the mask-id check needs them.
+Tolerances: fp32 throughout; paths that compute the same numbers with differently
+shaped GEMMs agree to 1e-5 absolute on logits of magnitude ~1-10.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from vlmspec.drafters.base import Proposer
+from vlmspec.drafters.dspark import (
+    HEAD_KINDS,
+    DraftContextCache,
+    DSparkConfig,
+    DSparkDrafter,
+    DSparkProposer,
+    build_head,
+    default_layer_ids,
+)
+from vlmspec.types import ContextUpdate, SamplingParams
+
+ATOL = 1e-5
+
+
+class _Tokenizer:
+    def __init__(self, used: int) -> None:
+        self.used = used
+
+    def __len__(self) -> int:
+        return self.used
+
+
+class StubTarget:
+    """What DSparkDrafter needs from a target, with a small vocabulary (ids >= ``used`` are free)."""
+
+    def __init__(self, vocab: int = 96, hidden: int = 32, layers: int = 4, used: int = 90, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.input_embeddings = nn.Embedding(vocab, hidden)
+        self.output_head = nn.Linear(hidden, vocab, bias=False)
+        with torch.no_grad():
+            self.input_embeddings.weight.copy_(torch.randn(vocab, hidden, generator=gen))
+            self.output_head.weight.copy_(torch.randn(vocab, hidden, generator=gen) / 2)
+        self.hidden_size, self.vocab_size, self.num_layers = hidden, vocab, layers
+        self.tokenizer = _Tokenizer(used)
+        self.dtype, self.device, self.name = torch.float32, torch.device("cpu"), f"stub-{vocab}x{hidden}"
+
+
+def small_config(target: StubTarget, **overrides) -> DSparkConfig:
+    base = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
+                block_size=5, head_rank=8, target_layer_ids=(1, 2), rope_theta=10000.0)  # fmt: skip
+    return DSparkConfig.for_target(target, **{**base, **overrides})
+
+
+def make_drafter(target: StubTarget | None = None, seed: int = 0, **overrides) -> DSparkDrafter:
+    target = target or StubTarget()
+    torch.manual_seed(seed)
+    drafter = DSparkDrafter.from_target(target, small_config(target, **overrides))
+    with torch.no_grad():  # make the heads matter: an untrained W2 of std 0.02 barely moves logits
+        for p in drafter.head.parameters():
+            p.normal_(0.0, 0.5)
+    return drafter.eval()
+
+
+def random_context(drafter: DSparkDrafter, length: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    width = len(drafter.config.target_layer_ids) * drafter.config.target_hidden_size
+    features = torch.randn(length, width, generator=gen)
+    # Positions as an image would leave them: a jump after token 6 (text resumes past the image grid).
+    positions = torch.arange(length) + 9 * (torch.arange(length) > 6)
+    return features, positions
+
+
+# ---------------------------------------------------------------------------- config
+
+
+def test_config_json_round_trip_and_defaults(tmp_path):
+    config = small_config(StubTarget(), head_kind="rnn", mask_token_id=92)
+    config.save(tmp_path)
+    assert DSparkConfig.load(tmp_path) == config
+    assert DSparkConfig.for_target(StubTarget()).block_size == 7
+    assert DSparkConfig.for_target(StubTarget()).head_rank == 256
+    assert default_layer_ids(4) == (1, 2)
+    assert default_layer_ids(36) == (1, 9, 18, 26, 34)
+    assert default_layer_ids(2) == (0,)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(num_heads=4, num_kv_heads=3), "multiple of num_kv_heads"),
+        (dict(head_kind="crf"), "head_kind must be one of"),
+        (dict(head_kind="none"), "confidence_with_markov"),
+        (dict(block_size=0), "block_size must be a positive integer"),
+        (dict(target_layer_ids=()), "target_layer_ids is empty"),
+        (dict(mask_token_id=500), "outside the target vocabulary"),
+        (dict(nonsense=1), "unknown DSparkConfig fields"),
+    ],
+)
+def test_config_rejects_bad_values(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        small_config(StubTarget(), **overrides)
+
+
+def test_config_refuses_the_last_target_layer():
+    target = StubTarget(layers=4)
+    with pytest.raises(ValueError, match="final norm"):
+        DSparkDrafter.from_target(target, small_config(target, target_layer_ids=(1, 3)))
+
+
+# ---------------------------------------------------------------------------- backbone and cache
+
+
+def test_incremental_cache_matches_one_forward_from_scratch():
+    """Spans appended round by round give the block logits of one forward over the whole context.
+
+    Tolerance 1e-5 absolute (fp32; only GEMM shapes differ). The drafter's hidden size
+    differs from the target's here, so the width bridges are exercised too.
+    """
+    drafter = make_drafter(hidden_size=48, num_heads=6, head_dim=8, num_kv_heads=3)
+    features, positions = random_context(drafter, 30)
+    tokens = torch.randint(0, 90, (31,), generator=torch.Generator().manual_seed(2))
+    cache = DraftContextCache(initial_capacity=4)  # small, so the buffers grow several times
+    start = 0
+    with torch.no_grad():
+        for end in (11, 12, 15, 16, 23, 30):
+            cache.append(drafter.context_kv(features[None, start:end], positions[None, start:end]))
+            start = end
+            assert len(cache) == end
+            anchor, anchor_pos = tokens[end : end + 1], positions[end - 1 : end] + 1
+            sample = drafter.draft(anchor, anchor_pos, cache.layers(), temperature=0.0, generator=None)
+            prev = torch.cat((anchor, sample.tokens[0, :-1]))[None, None]  # [1, 1, G]
+            full = drafter(features[None, :end], positions[None, :end], anchor[None], anchor_pos[None], prev)
+            torch.testing.assert_close(sample.logits, full.logits[:, 0], atol=ATOL, rtol=0)
+            full_confidence = torch.sigmoid(full.confidence_logits[:, 0])
+            torch.testing.assert_close(sample.confidences, full_confidence, atol=ATOL, rtol=0)
+
+
+def test_packed_anchor_blocks_match_separate_forwards():
+    """Several blocks packed in one row (training form) equal one forward per block on its own prefix."""
+    drafter = make_drafter()
+    features, positions = random_context(drafter, 20)
+    anchor_index = torch.tensor([[3, 11, 19]])
+    anchors = torch.tensor([[5, 17, 40]])
+    prev = torch.randint(0, 90, (1, 3, drafter.block_size), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        packed = drafter(features[None], positions[None], anchors, positions[anchor_index], prev, anchor_index)
+        for a, index in enumerate(anchor_index[0].tolist()):
+            alone = drafter(
+                features[None, :index], positions[None, :index], anchors[:, a : a + 1],
+                positions[None, index : index + 1], prev[:, a : a + 1],
+            )  # fmt: skip
+            torch.testing.assert_close(packed.logits[:, a], alone.logits[:, 0], atol=ATOL, rtol=0)
+
+
+def test_block_attention_is_bidirectional_and_sees_all_context():
+    drafter = make_drafter()
+    features, positions = random_context(drafter, 12)
+    gamma = drafter.block_size
+    with torch.no_grad():
+        context = drafter.context_kv(features[None], positions[None])
+        block = drafter.block_inputs(torch.tensor([7]))  # [1, G, d]
+        block_pos = drafter.block_positions(torch.tensor([positions[-1] + 1]))
+        base = drafter.backbone(block, block_pos, context)
+        later = block.clone()
+        later[0, -1] += 1.0  # change only the last mask slot's input
+        changed = (drafter.backbone(later, block_pos, context) - base).abs().amax(-1)[0]  # [G]
+        assert (changed[: gamma - 1] > 1e-4).all(), f"earlier positions must see later slots: {changed}"
+        poked = features.clone()
+        poked[0] += 1.0  # change only the first context token's features
+        moved = drafter.backbone(block, block_pos, drafter.context_kv(poked[None], positions[None]))
+        assert ((moved - base).abs().amax(-1)[0] > 1e-4).all(), "every block position must see the context"
+
+
+def test_block_input_is_anchor_then_mask_and_positions_follow_the_anchor():
+    drafter = make_drafter()
+    block = drafter.block_inputs(torch.tensor([7, 9]))
+    assert block.shape == (2, drafter.block_size, 32)
+    torch.testing.assert_close(block[:, 0], drafter.vocabulary.embed(torch.tensor([7, 9])))
+    torch.testing.assert_close(block[:, 1:], drafter.mask_embedding.expand(2, drafter.block_size - 1, 32))
+    assert drafter.block_positions(torch.tensor([40])).tolist() == [[40, 41, 42, 43, 44]]
+
+
+# ---------------------------------------------------------------------------- heads
+
+
+def head_config(kind: str, vocab: int = 96, hidden: int = 16, rank: int = 8) -> DSparkConfig:
+    return DSparkConfig(
+        target_hidden_size=hidden, target_vocab_size=vocab, target_layer_ids=(0,), hidden_size=hidden,
+        head_kind=kind, head_rank=rank, confidence_with_markov=kind != "none",
+    )  # fmt: skip
+
+
+def random_head(kind: str, vocab: int = 96, seed: int = 0):
+    torch.manual_seed(seed)
+    head = build_head(head_config(kind, vocab))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0.0, 1.0)
+    return head
+
+
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_head_sampling_loop_matches_teacher_forcing(kind, temperature):
+    head = random_head(kind)
+    gen = torch.Generator().manual_seed(5)
+    hidden, base = torch.randn(4, 6, 16, generator=gen), torch.randn(4, 6, 96, generator=gen)
+    anchor = torch.tensor([1, 2, 3, 4])
+    with torch.no_grad():
+        out = head.sample(hidden, base, anchor, temperature, gen)
+        prev = torch.cat((anchor[:, None], out.tokens[:, :-1]), dim=1)
+        forced = head.teacher_forced(hidden, base, prev)
+    assert out.logits.dtype == torch.float32 and out.tokens.shape == (4, 6)
+    torch.testing.assert_close(out.logits, forced, atol=ATOL, rtol=0)
+    if temperature == 0:
+        assert out.probs is None
+        assert torch.equal(out.tokens, out.logits.argmax(-1))
+    else:
+        assert out.probs.dtype == torch.float32
+        torch.testing.assert_close(out.probs, torch.softmax(forced / temperature, -1), atol=1e-6, rtol=0)
+    if kind != "none":  # the bias depends on the previous token, so the head does change the logits
+        assert (out.logits - base).abs().amax() > 0.1
+
+
+def chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson chi-square p-value, pooling cells expected below 5 into one."""
+    small = expected < 5
+    counts = torch.cat((counts[~small], counts[small].sum()[None]))
+    expected = torch.cat((expected[~small], expected[small].sum()[None]))
+    keep = expected > 0
+    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2))
+
+
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+def test_head_samples_follow_their_distribution(kind):
+    """Blocks drawn by the sampler follow the joint distribution its per-step probabilities define.
+
+    Vocabulary 5, block 3: all 125 blocks are enumerated with the teacher-forced form, and
+    20,000 sampled blocks must fit them (chi-square, p > 1e-4). The same samples must
+    reject the head-less product distribution (the test has power).
+    """
+    vocab, gamma, samples, temperature = 5, 3, 20_000, 0.8
+    head = random_head(kind, vocab=vocab, seed=1)
+    gen = torch.Generator().manual_seed(11)
+    hidden, base = torch.randn(1, gamma, 16, generator=gen), torch.randn(1, gamma, vocab, generator=gen)
+    anchor = torch.tensor([2])
+    with torch.no_grad():
+        out = head.sample(
+            hidden.expand(samples, -1, -1), base.expand(samples, -1, -1), anchor.expand(samples), temperature, gen
+        )
+        blocks = torch.cartesian_prod(*[torch.arange(vocab)] * gamma)  # [125, 3]: every possible block
+        n = len(blocks)
+        prev = torch.cat((anchor.expand(n)[:, None], blocks[:, :-1]), dim=1)
+        forced = head.teacher_forced(hidden.expand(n, -1, -1), base.expand(n, -1, -1), prev)
+        logp = torch.log_softmax(forced / temperature, -1)
+    joint = logp.gather(-1, blocks[..., None]).squeeze(-1).sum(-1).exp().double()  # [125]
+    assert math.isclose(float(joint.sum()), 1.0, abs_tol=1e-5)
+    codes = (out.tokens * torch.tensor([vocab**2, vocab, 1])).sum(-1)
+    counts = torch.bincount(codes, minlength=len(blocks)).double()
+    assert chi_square_p_value(counts, samples * joint) > 1e-4
+    if kind != "none":
+        marginal = torch.softmax(base[0] / temperature, -1).double()  # [3, 5], no sequential bias
+        product = marginal[0][blocks[:, 0]] * marginal[1][blocks[:, 1]] * marginal[2][blocks[:, 2]]
+        assert chi_square_p_value(counts, samples * product) < 1e-6
+
+
+# ---------------------------------------------------------------------------- confidence head
+
+
+def test_confidence_uses_only_the_state_and_previous_token():
+    drafter = make_drafter()
+    hidden = torch.randn(1, drafter.block_size, 32)
+    prev = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        c = torch.sigmoid(drafter.confidences(hidden, prev))
+        other = prev.clone()
+        other[0, 3] = 50  # changes the Markov feature of position 3 only
+        c2 = torch.sigmoid(drafter.confidences(hidden, other))
+    assert c.shape == (1, drafter.block_size) and ((c > 0) & (c < 1)).all()
+    changed = (c - c2).abs()[0] > 0
+    assert changed.tolist() == [False, False, False, True, False]
+    plain = make_drafter(confidence_with_markov=False)
+    assert plain.confidence.proj.in_features == 32
+    assert make_drafter(confidence_head=False).confidences(hidden, prev) is None
+
+
+# ---------------------------------------------------------------------------- save / load
+
+
+def test_save_load_round_trip_reproduces_drafts(tmp_path):
+    target = StubTarget()
+    drafter = make_drafter(target, head_kind="gated")
+    drafter.save_pretrained(tmp_path / "d")
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["config.json", "model.safetensors"]
+    assert not any("embedding" in name and "mask" not in name for name in drafter.state_dict())  # target not saved
+    loaded = DSparkDrafter.from_pretrained(tmp_path / "d", target=target)
+    assert loaded.vocabulary.lm_head is target.output_head  # re-tied, not copied
+    features, positions = random_context(drafter, 9)
+    outs = []
+    for model in (drafter, loaded):
+        context = model.context_kv(features[None], positions[None])
+        gen = torch.Generator().manual_seed(4)
+        outs.append(model.draft(torch.tensor([8]), torch.tensor([30]), context, 1.0, gen))
+    assert torch.equal(outs[0].tokens, outs[1].tokens)
+    torch.testing.assert_close(outs[0].probs, outs[1].probs, atol=0, rtol=0)
+    torch.testing.assert_close(outs[0].confidences, outs[1].confidences, atol=0, rtol=0)
+
+
+def test_load_errors_are_clear(tmp_path):
+    target = StubTarget()
+    make_drafter(target).save_pretrained(tmp_path / "d")
+    with pytest.raises(ValueError, match="vocabulary of 96 rows"):
+        DSparkDrafter.from_pretrained(tmp_path / "d", target=StubTarget(vocab=100))
+    with pytest.raises(ValueError, match="hidden size 32"):
+        DSparkDrafter.from_pretrained(tmp_path / "d", target=StubTarget(hidden=48))
+    with pytest.raises(FileNotFoundError, match="no drafter directory"):
+        DSparkDrafter.from_pretrained(tmp_path / "missing", target=target)
+    (tmp_path / "d" / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        DSparkDrafter.from_pretrained(tmp_path / "d", target=target)
+    (tmp_path / "d" / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        DSparkDrafter.from_pretrained(tmp_path / "d", target=target)
+
+
+def test_mask_token_id_must_be_reserved():
+    target = StubTarget(vocab=96, used=90)
+    drafter = make_drafter(target, mask_token_id=93)  # a free id: its (frozen) embedding row is the mask
+    assert not hasattr(drafter, "mask_embedding")
+    torch.testing.assert_close(drafter.block_inputs(torch.tensor([1]))[0, 1], target.input_embeddings.weight[93])
+    with pytest.raises(ValueError, match="not a reserved id.*ids 90..95 are free"):
+        make_drafter(target, mask_token_id=12)
+
+
+def test_mask_token_id_against_the_real_qwen_tokenizer(tokenizer):
+    """Tiny Qwen-VL vocabularies have no free id: an id is refused, the learned mask vector works."""
+    from vlmspec.target.tiny import QWEN_VOCAB_SIZE
+
+    target = StubTarget(vocab=QWEN_VOCAB_SIZE, hidden=8)
+    target.tokenizer = tokenizer
+    config = dict(hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, head_rank=2, intermediate_size=8)
+    with pytest.raises(ValueError, match="tokenizer uses ids below 151669.*no id is free"):
+        DSparkDrafter.from_target(target, DSparkConfig.for_target(target, mask_token_id=151668, **config))
+    drafter = DSparkDrafter.from_target(target, DSparkConfig.for_target(target, **config))
+    assert "mask_embedding" in drafter.state_dict()
+
+
+# ---------------------------------------------------------------------------- proposer
+
+
+def updates(drafter: DSparkDrafter, spans: list[int]):
+    features, positions = random_context(drafter, sum(spans) + 1)
+    start = 0
+    for n in spans:
+        end = start + n
+        yield ContextUpdate(
+            token_ids=torch.arange(start, end), positions=positions[start:end], features=features[start:end],
+            anchor=int(end % 90), anchor_position=int(positions[end]),
+        )  # fmt: skip
+        start = end
+
+
+def test_proposer_follows_the_protocol():
+    drafter = make_drafter()
+    proposer = DSparkProposer(drafter)
+    assert isinstance(proposer, Proposer)
+    assert proposer.max_draft_tokens == 5 and proposer.feature_layers == (1, 2) and proposer.vocab_size == 96
+    assert proposer.position_rule == "interpolate"
+    state = proposer.new_state()
+    for update in updates(drafter, [12, 3, 1]):
+        block = proposer.propose(state, update, SamplingParams(temperature=0.0), torch.Generator().manual_seed(0))
+        assert block.tokens.shape == (1, 5) and block.num_tokens.tolist() == [5]
+        assert block.draft_probs is None  # greedy: one-hot
+        assert block.confidences.shape == (1, 5) and block.confidences.dtype == torch.float32
+    assert len(state.cache) == 16
+
+    def sampled(seed: int):
+        state = proposer.new_state()
+        for update in updates(drafter, [12, 3]):
+            gen = torch.Generator().manual_seed(seed)
+            block = proposer.propose(state, update, SamplingParams(temperature=1.0), gen)
+        return block
+
+    a, b = sampled(7), sampled(7)
+    assert torch.equal(a.tokens, b.tokens)
+    assert a.draft_probs.shape == (1, 5, 96) and a.draft_probs.dtype == torch.float32
+    torch.testing.assert_close(a.draft_probs.sum(-1), torch.ones(1, 5))
+    assert (a.draft_probs.gather(-1, a.tokens[..., None]) > 0).all()
+
+
+def test_proposer_rejects_updates_without_the_right_features():
+    drafter = make_drafter()
+    proposer = DSparkProposer(drafter)
+    update = next(updates(drafter, [4]))
+    params, gen = SamplingParams(), torch.Generator()
+    with pytest.raises(ValueError, match="needs target features"):
+        no_features = ContextUpdate(update.token_ids, update.positions, None, 1, 5)
+        proposer.propose(proposer.new_state(), no_features, params, gen)
+    with pytest.raises(ValueError, match=r"expected \(4, 64\)"):
+        bad = ContextUpdate(update.token_ids, update.positions, update.features[:, :32], 1, 5)
+        proposer.propose(proposer.new_state(), bad, params, gen)
+    # A one-token prompt has no features yet: drafting still works from the anchor alone.
+    empty = ContextUpdate(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), None, 3, 0)
+    assert proposer.propose(proposer.new_state(), empty, params, gen).tokens.shape == (1, 5)
+
+
+def test_bfloat16_target_gives_float32_draft_probs():
+    target = StubTarget()
+    target.input_embeddings.to(torch.bfloat16)
+    target.output_head.to(torch.bfloat16)
+    target.dtype = torch.bfloat16
+    drafter = DSparkDrafter.from_target(target, small_config(target))
+    assert drafter.backbone.context_proj.weight.dtype == torch.bfloat16
+    proposer = DSparkProposer(drafter)
+    update = next(updates(make_drafter(), [6]))
+    update.features = update.features.to(torch.bfloat16)
+    block = proposer.propose(proposer.new_state(), update, SamplingParams(temperature=1.0), torch.Generator())
+    assert block.draft_probs.dtype == torch.float32 and block.confidences.dtype == torch.float32
