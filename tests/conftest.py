@@ -33,6 +33,14 @@ def make_target(tokenizer):
     return make
 
 
+@pytest.fixture(scope="session")
+def confined_target(tokenizer) -> QwenVLTarget:
+    """A tiny target confined to four tokens, for statistical tests (see stat_helpers)."""
+    from stat_helpers import confined_target as build
+
+    return build(tokenizer)
+
+
 @pytest.fixture(params=FAMILIES)
 def family(request) -> str:
     return request.param

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from stat_helpers import SUPPORT, chi_square_p_value, exact_first_tokens, sample_first_tokens
 
 from vlmspec.drafters.prompt_lookup import PromptLookup
 from vlmspec.engine import SpecEngine
@@ -128,18 +129,20 @@ def test_a_drafter_with_the_wrong_vocabulary_is_refused(make_target):
 class OracleDrafter:
     """A test proposer that drafts from a noisy copy of the target's own distribution.
 
-    q = 0.6 * p_target + 0.4 * (uniform over the target's 16 likeliest tokens), recomputed
-    by a plain forward over the request's history: drafts are often accepted, sometimes
-    rejected, and the bonus path runs too, so every branch of verification is exercised.
+    q = 0.6 * p_target + 0.4 * uniform(SUPPORT), recomputed by a plain forward over the
+    request's history, so drafts are often accepted and sometimes rejected. With
+    ``deterministic=True`` it proposes argmax q and returns no ``draft_probs`` (the one-hot
+    path of verification, as prompt lookup uses).
     """
 
     feature_layers = ()
     vocab_size = None
     position_rule = "interpolate"
 
-    def __init__(self, target, gamma: int = 2):
+    def __init__(self, target, gamma: int = 2, deterministic: bool = False):
         self.model = target.model
         self.max_draft_tokens = gamma
+        self.deterministic = deterministic
 
     def new_state(self):
         return {"history": []}
@@ -152,62 +155,26 @@ class OracleDrafter:
         history = state["history"] + [update.anchor]
         tokens, probs = [], []
         for _ in range(self.max_draft_tokens):
-            p = target_probs(self.model(input_ids=torch.tensor([history]), logits_to_keep=1).logits[0, -1], params)
-            noise = torch.zeros_like(p)
-            noise[p.topk(16).indices] = 1 / 16
-            q = 0.6 * p + 0.4 * noise
-            token = int(torch.multinomial(q, 1, generator=generator))
+            logits = self.model(input_ids=torch.tensor([history]), logits_to_keep=1).logits[0, -1]
+            q = 0.6 * target_probs(logits, SamplingParams(temperature=1.0))
+            q[list(SUPPORT)] += 0.4 / len(SUPPORT)
+            token = int(q.argmax()) if self.deterministic else int(torch.multinomial(q, 1, generator=generator))
             tokens.append(token)
             probs.append(q)
             history = history + [token]
-        return DraftBlock(torch.tensor([tokens]), torch.tensor([len(tokens)]), draft_probs=torch.stack(probs)[None])
+        draft_probs = None if self.deterministic else torch.stack(probs)[None]
+        return DraftBlock(torch.tensor([tokens]), torch.tensor([len(tokens)]), draft_probs=draft_probs)
 
 
-def randomized_pit(tokens: list[int], probs: torch.Tensor, generator: torch.Generator) -> list[float]:
-    """u = F(x - 1) + U * p(x): exactly Uniform(0, 1) when x ~ p (probs: [n, V])."""
-    cdf = probs.double().cumsum(-1)
-    values = []
-    for row, token in enumerate(tokens):
-        below = float(cdf[row, token - 1]) if token > 0 else 0.0
-        values.append(below + float(torch.rand((), generator=generator, dtype=torch.float64)) * float(probs[row, token]))
-    return values
-
-
-def ks_uniform(values: list[float]) -> float:
-    """Kolmogorov-Smirnov distance between the sample and Uniform(0, 1)."""
-    u = torch.tensor(sorted(values), dtype=torch.float64)
-    n = len(u)
-    ranks = torch.arange(1, n + 1, dtype=torch.float64)
-    return float(torch.maximum(ranks / n - u, u - (ranks - 1) / n).max())
-
-
-@pytest.mark.parametrize("temperature, top_p", [(1.0, None), (0.7, 0.8)])
-def test_sampled_output_follows_the_target_distribution(make_target, temperature, top_p):
-    """Tokens 2 and 3 (the ones that go through drafting and verification) follow the target.
-
-    For each sample, the exact target distribution at those positions given the sampled
-    prefix turns the token into a randomized PIT value, Uniform(0, 1) iff the token was
-    drawn from the target's law. The KS distance of N such values stays below
-    1.63 / sqrt(N) with probability 0.99 (Kolmogorov's limit); a sampler that, e.g., keeps
-    accepted drafts without the min(1, p/q) test lands far above it at this N.
-    """
-    from vlmspec.sampling import target_probs
-
-    target = make_target("qwen2_vl")
+@pytest.mark.parametrize("temperature, top_p, deterministic", [(1.0, None, False), (0.7, 0.8, True)])
+def test_sampled_output_follows_the_target_distribution(confined_target, temperature, top_p, deterministic):
+    """The first three generated tokens (token 1 from the prefill, 2 and 3 through drafting
+    and verification) fit the target's exact joint law: chi-square over SUPPORT^3, p > 1e-3."""
     params = SamplingParams(temperature=temperature, top_p=top_p)
-    engine = SpecEngine(target, OracleDrafter(target))
-    prompt_ids = target.build_inputs(None, "Name a colour.").input_ids
-    pit_generator = torch.Generator().manual_seed(1234)
-    n, pit, accepted = 300, {1: [], 2: []}, 0
-    for seed in range(n):
-        result = engine.generate(None, "Name a colour.", max_new_tokens=3, temperature=temperature, top_p=top_p, seed=seed)
-        accepted += result.stats.accepted
-        ids = torch.cat([prompt_ids, torch.tensor([result.token_ids])], dim=1)
-        with torch.no_grad():
-            probs = target_probs(target.model(input_ids=ids, logits_to_keep=3).logits[0, -3:], params)
-        for position in (1, 2):
-            pit[position] += randomized_pit([result.token_ids[position]], probs[position : position + 1], pit_generator)
-    bound = 1.63 / n**0.5
-    assert accepted > n // 2, "the drafter should get many drafts accepted"
-    for position, values in pit.items():
-        assert ks_uniform(values) < bound, f"token {position + 1}: KS {ks_uniform(values):.3f} >= {bound:.3f}"
+    joint = exact_first_tokens(confined_target, None, params)
+    engine = SpecEngine(confined_target, OracleDrafter(confined_target, deterministic=deterministic))
+    runs = 300
+    counts, totals = sample_first_tokens(engine, None, runs, params, joint)
+    assert 0 < totals["accepted"] < totals["verified"], "both accepted and rejected drafts must occur"
+    expected = runs * torch.tensor(list(joint.values()), dtype=torch.float64)
+    assert chi_square_p_value(counts, expected) > 1e-3

@@ -173,19 +173,22 @@ class SpecEngine:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         request = self._new_request(max_new_tokens, stop)
         inputs = self.target.build_inputs(images, prompt, messages=messages)
-        proposer = self.proposer if speculative else NoDraft()
+        # The target alone: nothing drafted, so nothing to schedule either.
+        proposer, scheduler = (self.proposer, self.scheduler) if speculative else (NoDraft(), VerifyAll())
         generator = torch.Generator(device=self.target.device).manual_seed(int(seed))
-        return GenerationStream(self, request, self._decode(inputs, proposer, params, generator, request))
+        rounds = self._decode(inputs, proposer, scheduler, params, generator, request)
+        return GenerationStream(self, request, rounds)
 
     # ---------------------------------------------------------------- the loop
-    def _decode(self, inputs: TargetInputs, proposer: Proposer, params: SamplingParams, generator, request: "_Request"):
+    def _decode(self, inputs: TargetInputs, proposer: Proposer, scheduler: Scheduler, params: SamplingParams, generator,
+                request: "_Request"):  # fmt: skip
         """Generator over the token lists committed by the prefill and by each round."""
         started = time.perf_counter()
         state, update = self._prefill(inputs, proposer, params, generator, request)
         yield list(request.tokens)
         draft_state = proposer.new_state()
         while request.finish_reason is None:
-            committed, update = self._round(state, draft_state, update, proposer, params, generator, request)
+            committed, update = self._round(state, draft_state, update, proposer, scheduler, params, generator, request)
             yield committed
         request.stats.total_s = time.perf_counter() - started
 
@@ -205,13 +208,14 @@ class SpecEngine:
         self._check_context(state, request)
         return state, update
 
-    def _round(self, state: RequestState, draft_state, update: ContextUpdate, proposer, params, generator, request):
+    def _round(self, state: RequestState, draft_state, update: ContextUpdate, proposer, scheduler, params, generator,
+               request):  # fmt: skip
         tick = time.perf_counter()
         block = proposer.propose(draft_state, update, params, generator)
         drafted = int(block.num_tokens[0])
         # Never verify past max_new_tokens or the context: the extra tokens could not be kept.
         room = min(request.remaining - 1, self.target.max_context - state.length - 1)
-        lengths = self.scheduler.schedule(block.confidences, block.num_tokens).clamp(max=max(room, 0))
+        lengths = scheduler.schedule(block.confidences, block.num_tokens).clamp(max=max(room, 0))
         block = _first_tokens(block, int(lengths[0]))
         tock = time.perf_counter()
         request.stats.draft_s += tock - tick

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from stat_helpers import chi_square_p_value
 
 from vlmspec.drafters.base import Proposer
 from vlmspec.drafters.dspark import (
@@ -227,17 +228,6 @@ def test_head_sampling_loop_matches_teacher_forcing(kind, temperature):
         torch.testing.assert_close(out.probs, torch.softmax(forced / temperature, -1), atol=1e-6, rtol=0)
     if kind != "none":  # the bias depends on the previous token, so the head does change the logits
         assert (out.logits - base).abs().amax() > 0.1
-
-
-def chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
-    """Pearson chi-square p-value, pooling cells expected below 5 into one."""
-    small = expected < 5
-    counts = torch.cat((counts[~small], counts[small].sum()[None]))
-    expected = torch.cat((expected[~small], expected[small].sum()[None]))
-    keep = expected > 0
-    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2))
 
 
 @pytest.mark.parametrize("kind", HEAD_KINDS)

@@ -11,27 +11,12 @@ then overlaps the target well enough that drafts are both accepted and rejected.
 
 from __future__ import annotations
 
-import pytest
 import torch
-from torch import nn
+from stat_helpers import PROMPT, chi_square_p_value, exact_first_tokens, sample_first_tokens
 
 from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter
 from vlmspec.engine import SpecEngine
-from vlmspec.sampling import target_probs
-from vlmspec.target import QwenVLTarget
-from vlmspec.target.tiny import tiny_model, tiny_processor
 from vlmspec.types import SamplingParams
-
-PROMPT = "Describe the image."
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared 2-core machine run faster on one thread (no wake-up stalls)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def untrained_drafter(target, **overrides) -> DSparkDrafter:
@@ -47,49 +32,6 @@ def test_greedy_with_an_untrained_drafter_equals_the_target_alone(family, make_t
     spec = engine.generate(astronaut, PROMPT, max_new_tokens=10)
     assert spec.token_ids == alone.token_ids
     assert spec.stats.drafted > 0 and spec.stats.rounds > 0
-
-
-SUPPORT = (785, 8251, 5562, 14853)  # four ordinary word pieces; EOS is not among them
-
-
-@pytest.fixture(scope="module")
-def confined_target(tokenizer) -> QwenVLTarget:
-    """A tiny Qwen2.5-VL whose LM head has a bias of -40 outside ``SUPPORT`` (both models share it)."""
-    model = tiny_model("qwen2_5_vl", seed=3)
-    head = model.lm_head
-    biased = nn.Linear(head.in_features, head.out_features, bias=True)
-    with torch.no_grad():
-        biased.weight.copy_(head.weight * 10)  # logits of spread ~1.5 within the support
-        biased.bias.fill_(-40.0)
-        biased.bias[list(SUPPORT)] = 0.0
-    model.lm_head = biased
-    return QwenVLTarget(model, tiny_processor("qwen2_5_vl", tokenizer), name="tiny-qwen2_5_vl-confined")
-
-
-def exact_first_tokens(target: QwenVLTarget, image, params: SamplingParams) -> dict[tuple[int, ...], float]:
-    """P(x1, x2, x3) over SUPPORT^3 under target-only sampling, from the target's own forwards."""
-    state, step = target.prefill(target.build_inputs(image, PROMPT))
-    p1 = target_probs(step.logits[-1], params).double()
-    joint = {}
-    for a in SUPPORT:
-        for b in SUPPORT:
-            logits = target.verify(state, [a, b]).logits  # row 0 predicts x2 after a, row 1 x3 after (a, b)
-            target.rollback(state, keep=0)
-            p2, p3 = target_probs(logits, params).double()
-            for c in SUPPORT:
-                joint[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
-    return joint
-
-
-def chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
-    """Pearson chi-square p-value, pooling cells expected below 5 into one."""
-    small = expected < 5
-    counts = torch.cat((counts[~small], counts[small].sum()[None]))
-    expected = torch.cat((expected[~small], expected[small].sum()[None]))
-    keep = expected > 0
-    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2))
 
 
 def test_greedy_on_the_confined_target_accepts_drafts_and_stays_exact(confined_target, astronaut):
