@@ -3,8 +3,7 @@
 The public face: the engine, the target adapter, the protocols and the schedulers.
 """
 
-from vlmspec.drafters.base import NoDraft, Proposer
-from vlmspec.drafters.prompt_lookup import PromptLookup
+from vlmspec.drafters import DSparkConfig, DSparkDrafter, NoDraft, PromptLookup, Proposer
 from vlmspec.engine import SpecEngine
 from vlmspec.scheduling import (
     LaggedTopKScheduler,
@@ -28,6 +27,8 @@ __all__ = [
     "Proposer",
     "NoDraft",
     "PromptLookup",
+    "DSparkConfig",
+    "DSparkDrafter",
     "Scheduler",
     "VerifyAll",
     "ThresholdScheduler",

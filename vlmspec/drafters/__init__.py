@@ -1,6 +1,7 @@
 """Drafters: anything implementing the Proposer protocol (prompt lookup, DSpark)."""
 
 from vlmspec.drafters.base import NoDraft, Proposer
+from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkProposer
 from vlmspec.drafters.prompt_lookup import PromptLookup
 
-__all__ = ["NoDraft", "Proposer", "PromptLookup"]
+__all__ = ["NoDraft", "Proposer", "PromptLookup", "DSparkConfig", "DSparkDrafter", "DSparkProposer"]
