@@ -1,0 +1,351 @@
+"""Train and calibrate a DSpark drafter for a Qwen-VL target, in one command.
+
+    python recipes/train_qwen3vl.py --target path/to/Qwen3-VL-2B-Instruct \\
+        --prompts ../shared/data/prompts/mt-bench.jsonl --prompts ../shared/data/prompts/gsm8k.jsonl \\
+        --out runs/qwen3vl-2b-dspark
+
+    accelerate launch --multi_gpu --num_processes 8 recipes/train_qwen3vl.py ...   # the same, on 8 GPUs
+
+Steps: (1) the target regenerates answers to the prompts and a target cache is written
+(resumable; ``--cache`` to share one between runs); (2) the drafter trains on it with the
+paper's defaults (gamma 7, 2 layers, vanilla Markov head rank 256, confidence head with
+the Markov feature, lr 6e-4, 4% warm-up, losses 0.1 CE + 0.9 TV + 1.0 BCE, decay 4);
+(3) the trained drafter decodes held-out prompts through SpecEngine: tau is measured
+(greedy output checked identical to the target alone) and the confidence head is
+calibrated (``calibration.json``). The drafter lands in ``OUT/drafter``, loadable with
+``SpecEngine.from_pretrained(TARGET, drafter="OUT/drafter")``; ``OUT/report.json`` holds
+the numbers. Running the same command again resumes an interrupted cache or training.
+See recipes/README.md for every option and a CPU example.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter
+from vlmspec.engine import SpecEngine
+from vlmspec.target.adapter import load_target
+from vlmspec.training import (
+    CacheSpec,
+    GenerationConfig,
+    LossWeights,
+    TargetCache,
+    TrainConfig,
+    Trainer,
+    build_cache,
+    calibrate,
+    estimate_cache_size,
+    finalize_cache,
+    latest_checkpoint,
+    load_prompt_sources,
+    open_cache_dir,
+    run_heldout,
+    split_prompts,
+    target_fingerprint,
+)
+from vlmspec.training.calibrate import write_report
+from vlmspec.training.trainer import resolve_mixed_precision
+
+# ----------------------------------------------------------------------------- options
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    _data_options(parser.add_argument_group("target, data and output"))
+    _cache_options(parser.add_argument_group("regeneration and cache"))
+    _drafter_options(parser.add_argument_group("drafter"))
+    _training_options(parser.add_argument_group("training"))
+    _heldout_options(parser.add_argument_group("held-out measurement and calibration"))
+    return parser.parse_args(argv)
+
+
+def _data_options(group) -> None:
+    add = group.add_argument
+    add("--target", required=True,
+        help="saved Qwen-VL directory, or tiny:qwen2_vl | tiny:qwen2_5_vl | tiny:qwen3_vl")  # fmt: skip
+    add("--prompts", action="append", required=True,
+        help="prompt file: .jsonl (turns or messages) or MMBench .tsv; repeatable")  # fmt: skip
+    add("--out", required=True, help="output directory: drafter/, checkpoints/, cache/, metrics.jsonl, report.json")
+    add("--cache", default=None, help="target cache directory (default OUT/cache); reused when its manifest matches")
+    add("--num-prompts", type=int, default=None, help="training prompts (default: all but the held-out ones)")
+    add("--heldout-prompts", type=int, default=16, help="prompts kept out of the cache to measure tau and calibrate")
+    add("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+        help="target dtype; auto: bfloat16 on GPU, float32 on CPU")  # fmt: skip
+    add("--attn-implementation", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"),
+        help="target attention")  # fmt: skip
+    add("--save-target", action="store_true", help="also save the target to OUT/target (always for tiny: targets)")
+    add("--threads", type=int, default=None, help="torch CPU threads per process (1 is often fastest on a shared CPU)")
+    add("--dist-timeout", type=float, default=180, help="minutes a process may wait for the others at a barrier")
+
+
+def _cache_options(group) -> None:
+    add = group.add_argument
+    add("--max-new-tokens", type=int, default=512, help="longest regenerated answer")
+    add("--temperature", type=float, default=0.7, help="regeneration temperature (0: greedy)")
+    add("--top-p", type=float, default=0.8, help="regeneration top-p (1: off)")
+    add("--top-k", type=int, default=20, help="regeneration top-k (0: off)")
+    add("--first-turn-only", action="store_true", help="answer only the first user turn of multi-turn prompts")
+    add("--cache-dtype", default="bfloat16", choices=("bfloat16", "float16"), help="storage dtype of target states")
+    add("--shard-size", type=int, default=64, help="sequences per shard (at most this much work is redone on resume)")
+    add("--window-anchors", type=int, default=None,
+        help="window mode: fix this many anchors per sequence at cache time and keep only their windows")  # fmt: skip
+    add("--context-window", type=int, default=None, help="context tokens a block sees before its anchor (default: all)")
+
+
+def _drafter_options(group) -> None:
+    add = group.add_argument
+    add("--block-size", type=int, default=7, help="gamma: tokens drafted per block")
+    add("--draft-layers", type=int, default=2, help="decoder layers of the parallel backbone")
+    add("--draft-hidden", type=int, default=None, help="drafter width (default: the target's)")
+    add("--draft-heads", type=int, default=None, help="attention heads (default: width / head dim)")
+    add("--draft-head-dim", type=int, default=None, help="head dim (default: 128, 64 below width 1024, 16 below 256)")
+    add("--draft-intermediate", type=int, default=None, help="MLP width (default: 3 x drafter width)")
+    add("--head", default="vanilla", choices=("none", "vanilla", "gated", "rnn"), help="sequential head")
+    add("--head-rank", type=int, default=256, help="rank r of the sequential head")
+    add("--no-confidence-head", action="store_true", help="draft without a confidence head (no calibration)")
+    add("--confidence-without-markov", action="store_true", help="confidence head over h_k only")
+    add("--feature-layers", default=None, help="target layers to hook, e.g. 1,9,17,25,33 (default: 5 evenly spaced)")
+    add("--position-rule", default="interpolate", choices=("interpolate", "temporal"), help="vision token positions")
+
+
+def _training_options(group) -> None:
+    add = group.add_argument
+    add("--steps", type=int, default=2000, help="optimizer steps")
+    add("--batch-size", type=int, default=4, help="sequences (packed rows) per process per micro-step")
+    add("--num-anchors", type=int, default=64, help="anchor blocks per sequence")
+    add("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    add("--lr", type=float, default=6e-4, help="peak learning rate")
+    add("--warmup-ratio", type=float, default=0.04, help="linear warm-up, as a fraction of --steps")
+    add("--min-lr-ratio", type=float, default=0.0, help="cosine floor, as a fraction of --lr")
+    add("--weight-decay", type=float, default=0.01)
+    add("--max-grad-norm", type=float, default=1.0)
+    add("--loss-weights", default="0.1,0.9,1.0", help="CE,TV,confidence")
+    add("--loss-decay", type=float, default=4.0, help="position weights exp(-(k-1)/decay)")
+    add("--chunk-tokens", type=int, default=1024, help="block positions per LM-head chunk (bounds memory)")
+    add("--attention", default="auto", choices=("auto", "sdpa", "flex"), help="packed attention (auto: flex on CUDA)")
+    add("--mixed-precision", default="auto", choices=("auto", "no", "bf16", "fp16"), help="auto: bf16 where supported")
+    add("--eval-every", type=int, default=200, help="steps between evaluations on held-out cached sequences (0: end)")
+    add("--eval-sequences", type=int, default=32, help="cached sequences held out for evaluation")
+    add("--save-every", type=int, default=500, help="steps between checkpoints (0: end)")
+    add("--log-every", type=int, default=10, help="steps between metrics.jsonl records")
+    add("--num-workers", type=int, default=0, help="DataLoader workers per process")
+    add("--seed", type=int, default=0)
+    add("--resume", default="auto", help="auto (latest checkpoint in OUT), never, or a checkpoint directory")
+
+
+def _heldout_options(group) -> None:
+    add = group.add_argument
+    add("--eval-max-new-tokens", type=int, default=128, help="answer length when measuring tau")
+    add("--eval-temperature", type=float, default=0.0,
+        help="temperature of the held-out decoding and calibration (0: greedy); use the one you serve")  # fmt: skip
+    add("--skip-untrained-eval", action="store_true", help="do not measure the untrained drafter's tau")
+    add("--skip-calibration", action="store_true", help="do not fit calibration.json")
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def target_dtype(choice: str, device: torch.device) -> str:
+    if choice != "auto":
+        return choice
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def drafter_config(args: argparse.Namespace, target) -> DSparkConfig:
+    """The drafter's shape: the paper's defaults with every option applied."""
+    overrides: dict[str, Any] = {
+        "block_size": args.block_size,
+        "num_layers": args.draft_layers,
+        "head_kind": args.head,
+        "head_rank": args.head_rank,
+        "confidence_head": not args.no_confidence_head,
+        "confidence_with_markov": not args.confidence_without_markov and args.head != "none",
+        "position_rule": args.position_rule,
+    }
+    optional = {"hidden_size": args.draft_hidden, "num_heads": args.draft_heads, "head_dim": args.draft_head_dim,
+                "intermediate_size": args.draft_intermediate}  # fmt: skip
+    overrides.update({key: value for key, value in optional.items() if value is not None})
+    if args.feature_layers:
+        overrides["target_layer_ids"] = tuple(int(x) for x in args.feature_layers.split(","))
+    if "hidden_size" in overrides and "intermediate_size" not in overrides:
+        overrides["intermediate_size"] = 3 * overrides["hidden_size"]
+    return DSparkConfig.for_target(target, **overrides)
+
+
+def cache_spec(args: argparse.Namespace, target, config: DSparkConfig) -> CacheSpec:
+    generation = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p if args.top_p < 1 else None,
+        top_k=args.top_k or None,
+        seed=args.seed,
+        all_turns=not args.first_turn_only,
+    )
+    return CacheSpec(
+        target=target_fingerprint(target),
+        feature_layers=config.target_layer_ids,
+        position_rule=config.position_rule,
+        dtype=args.cache_dtype,
+        generation=generation,
+        anchors_per_sequence=args.window_anchors,
+        context_window=args.context_window,
+        block_size=config.block_size if args.window_anchors else None,
+    )
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    try:
+        ce, tv, confidence = (float(x) for x in args.loss_weights.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--loss-weights takes three numbers CE,TV,confidence (e.g. 0.1,0.9,1.0), got {args.loss_weights!r}"
+        ) from None
+    return TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, num_anchors=args.num_anchors, grad_accum=args.grad_accum,
+        lr=args.lr, warmup_ratio=args.warmup_ratio, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm, loss=LossWeights(ce, tv, confidence, args.loss_decay),
+        chunk_tokens=args.chunk_tokens, attention=args.attention, context_window=args.context_window,
+        mixed_precision=args.mixed_precision, eval_every=args.eval_every, eval_sequences=args.eval_sequences,
+        save_every=args.save_every, log_every=args.log_every, seed=args.seed, num_workers=args.num_workers,
+    )  # fmt: skip
+
+
+def new_drafter(target, config: DSparkConfig, seed: int) -> DSparkDrafter:
+    """A freshly initialised drafter; the init is seeded so a resumed run rebuilds the same one."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return DSparkDrafter.from_target(target, config)
+
+
+def build_target_cache(args, accelerator, target, items, spec: CacheSpec, cache_dir: Path) -> dict[str, Any]:
+    """Write (or resume, or reuse) the target cache; every process regenerates its share of the prompts."""
+    if accelerator.is_main_process:
+        open_cache_dir(cache_dir, spec)
+        print(estimate_cache_size(target, items, spec).describe(), flush=True)
+    accelerator.wait_for_everyone()
+    report = build_cache(target, items, cache_dir, spec, rank=accelerator.process_index,
+                         world_size=accelerator.num_processes, shard_size=args.shard_size,
+                         show_progress=accelerator.is_local_main_process)  # fmt: skip
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        counts = finalize_cache(cache_dir)["counts"]
+        print(f"target cache: {counts['sequences']} sequences, {counts['tokens']:,} tokens, "
+              f"{counts['bytes'] / 2**20:.1f} MiB ({counts['bytes_per_sequence'] / 2**10:.1f} KiB per sequence)",
+              flush=True)  # fmt: skip
+    accelerator.wait_for_everyone()
+    return {"regenerated_prompts": report.prompts_done, "regeneration_seconds": report.seconds}
+
+
+def resume_point(args: argparse.Namespace, out: Path, config: DSparkConfig) -> Path | None:
+    """The checkpoint to resume from (``--resume``), refusing one written for another drafter shape."""
+    if args.resume == "never":
+        return None
+    checkpoint = latest_checkpoint(out) if args.resume == "auto" else Path(args.resume)
+    if checkpoint is None:
+        return None
+    saved = DSparkConfig.load(checkpoint / "drafter")
+    if saved.to_dict() != config.to_dict():
+        raise ValueError(
+            f"{checkpoint} holds a drafter of another shape than the options ask for; pass the same drafter "
+            "options, --resume never (start over) or another --out"
+        )
+    return checkpoint
+
+
+def measure_heldout(engine: SpecEngine, items, args: argparse.Namespace, label: str):
+    """Greedy (by default) decoding of the held-out prompts: tau and identity with the target alone."""
+    run = run_heldout(engine, items, max_new_tokens=args.eval_max_new_tokens, temperature=args.eval_temperature,
+                      seed=args.seed)  # fmt: skip
+    outcome = {True: "identical to the target alone", False: "DIFFERENT from the target alone", None: "sampled"}
+    print(f"{label}: tau {run.tau:.3f} over {run.rounds} rounds; output {outcome[run.identical_to_target]}", flush=True)
+    return run
+
+
+def finish(args, target, out: Path, drafter_dir: Path, heldout_items, report: dict[str, Any]) -> None:
+    """Main process: measure the trained drafter, calibrate it, save the target if asked, write the report."""
+    if args.save_target or args.target.startswith("tiny:"):
+        target.save_pretrained(out / "target")  # SpecEngine.from_pretrained(OUT/target, drafter=OUT/drafter)
+    if heldout_items:
+        trained = DSparkDrafter.from_pretrained(drafter_dir, target=target)
+        run = measure_heldout(SpecEngine(target, trained.proposer()), heldout_items, args, "trained drafter")
+        report["trained"] = run.as_dict()
+        if not args.skip_calibration and trained.config.confidence_head:
+            report["calibration"] = list(calibrate(run, drafter_dir).temperatures)
+    path = write_report(out / "report.json", report)
+    print(f"drafter: {drafter_dir}   report: {path}", flush=True)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None, *, target=None) -> dict[str, Any]:
+    """Run the recipe; ``target`` is an already loaded QwenVLTarget to use instead of loading ``--target``."""
+    args = parse_args(argv)
+    started = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    train_items, heldout_items = split_prompts(  # bad prompt files and options fail before the target loads
+        load_prompt_sources(args.prompts), args.num_prompts, args.heldout_prompts, args.seed
+    )
+    training = train_config(args)
+    accelerator = _accelerator(args)
+    if target is None:
+        target = load_target(args.target, dtype=target_dtype(args.dtype, accelerator.device),
+                             attn_implementation=args.attn_implementation, device=accelerator.device)  # fmt: skip
+    target.model.requires_grad_(False)
+    config = drafter_config(args, target)
+    report: dict[str, Any] = {"target": args.target, "drafter_config": config.to_dict(),
+                              "train_prompts": len(train_items), "heldout_prompts": len(heldout_items)}  # fmt: skip
+
+    cache_dir = Path(args.cache) if args.cache else out / "cache"
+    spec = cache_spec(args, target, config)
+    report["cache"] = build_target_cache(args, accelerator, target, train_items, spec, cache_dir)
+    cache = TargetCache(cache_dir)
+    report["cache"].update(cache.manifest["counts"])
+
+    drafter = new_drafter(target, config, args.seed)
+    if accelerator.is_main_process and heldout_items and not args.skip_untrained_eval:
+        untrained = measure_heldout(SpecEngine(target, drafter.proposer()), heldout_items, args, "untrained drafter")
+        report["untrained"] = untrained.as_dict()
+    accelerator.wait_for_everyone()
+
+    trainer = Trainer(drafter.train(), cache, out, training, accelerator)
+    summary = trainer.train(resume_from=resume_point(args, out, config))
+    report["training"] = vars(summary)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        report["seconds_before_heldout"] = time.perf_counter() - started
+        finish(args, target, out, Path(summary.drafter_dir), heldout_items, report)
+    accelerator.wait_for_everyone()
+    return report
+
+
+def _accelerator(args: argparse.Namespace):
+    """The process group: generous barrier timeouts, since processes wait for each other's cache shares."""
+    from datetime import timedelta
+
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    return Accelerator(
+        mixed_precision=resolve_mixed_precision(args.mixed_precision),
+        gradient_accumulation_steps=args.grad_accum,
+        step_scheduler_with_optimizer=False,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=args.dist_timeout))],
+    )
+
+
+if __name__ == "__main__":
+    main()

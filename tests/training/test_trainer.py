@@ -1,0 +1,82 @@
+"""The accelerate trainer: exact resume, only the drafter trains, checkpoints, metrics, schedule."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from training_helpers import tiny_drafter
+
+from vlmspec.drafters.dspark import DSparkDrafter
+from vlmspec.training import TrainConfig, Trainer, latest_checkpoint
+from vlmspec.training.trainer import warmup_cosine
+
+
+def config(**overrides) -> TrainConfig:
+    options = dict(steps=6, batch_size=2, num_anchors=3, lr=3e-3, warmup_ratio=0.2, eval_every=3, eval_sequences=2,
+                   save_every=3, log_every=1, chunk_tokens=8)  # fmt: skip
+    return TrainConfig(**{**options, **overrides})
+
+
+def train_records(directory) -> list[dict]:
+    lines = (directory / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["split"] == "train"]
+
+
+def test_resuming_from_a_checkpoint_continues_with_the_same_losses(target, small_cache, tmp_path):
+    straight = Trainer(tiny_drafter(target), small_cache, tmp_path / "straight", config())
+    straight.train()
+    interrupted = Trainer(tiny_drafter(target), small_cache, tmp_path / "resumed", config())
+    interrupted.train(until=3)
+    checkpoint = latest_checkpoint(tmp_path / "resumed")
+    assert checkpoint.name == "step-0000003" and (checkpoint / "model.safetensors").is_file()
+    # a new process: a freshly initialised drafter, then the checkpoint restores everything
+    resumed = Trainer(tiny_drafter(target, seed=123), small_cache, tmp_path / "resumed", config())
+    resumed.train(resume_from=checkpoint)
+    expected = {r["step"]: r["loss"] for r in train_records(tmp_path / "straight")}
+    got = {r["step"]: r["loss"] for r in train_records(tmp_path / "resumed")}
+    assert sorted(got) == sorted(expected) == [1, 2, 3, 4, 5, 6]
+    for step in range(4, 7):
+        assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), step
+    runs = (tmp_path / "straight", tmp_path / "resumed")
+    final = [DSparkDrafter.from_pretrained(run / "drafter", target=target) for run in runs]
+    for (name, a), b in zip(final[0].state_dict().items(), final[1].state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_only_the_drafter_trains_and_metrics_are_logged(target, small_cache, tmp_path):
+    head_before = target.output_head.weight.detach().clone()
+    embedding_before = target.input_embeddings.weight.detach().clone()
+    drafter = tiny_drafter(target)
+    trainer = Trainer(drafter, small_cache, tmp_path, config(steps=3, save_every=0))
+    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in drafter.parameters()}
+    summary = trainer.train()
+    assert torch.equal(target.output_head.weight, head_before)
+    assert torch.equal(target.input_embeddings.weight, embedding_before)
+    assert not target.output_head.weight.requires_grad
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evaluation = [r for r in records if r["split"] == "eval"]
+    assert evaluation and len(evaluation[-1]["acceptance_by_position"]) == drafter.block_size
+    assert 1.0 <= evaluation[-1]["expected_tau"] <= 1 + drafter.block_size
+    assert summary.blocks > 0 and summary.blocks_per_second > 0 and summary.peak_memory_mb > 0
+    assert (tmp_path / "drafter" / "model.safetensors").is_file()
+    DSparkDrafter.from_pretrained(tmp_path / "drafter", target=target)
+
+
+def test_warmup_then_cosine():
+    values = [warmup_cosine(step, total=100, warmup=4, min_ratio=0.1) for step in range(100)]
+    assert values[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert values[4] == pytest.approx(1.0) and values[-1] == pytest.approx(0.1, abs=1e-3)
+    assert all(a >= b for a, b in zip(values[4:], values[5:]))
+
+
+def test_bad_training_options_are_refused(target, small_cache, tmp_path):
+    with pytest.raises(ValueError, match="batch_size"):
+        TrainConfig(batch_size=0)
+    with pytest.raises(ValueError, match="mixed_precision"):
+        TrainConfig(mixed_precision="fp8")
+    trainer = Trainer(tiny_drafter(target), small_cache, tmp_path, config(steps=1))
+    with pytest.raises(ValueError, match="not a training checkpoint"):
+        trainer.load_checkpoint(tmp_path)

@@ -1,0 +1,35 @@
+"""Held-out decoding records every round the engine ran; the fitted calibration lands beside the drafter."""
+
+from __future__ import annotations
+
+import pytest
+from training_helpers import tiny_drafter
+
+from vlmspec.engine import SpecEngine
+from vlmspec.scheduling.base import VerifyAll
+from vlmspec.scheduling.calibration import Calibration, RoundRecords
+from vlmspec.training import calibrate, run_heldout
+
+
+def test_heldout_rounds_match_the_engines_statistics_and_calibrate(target, prompts, tmp_path):
+    drafter = tiny_drafter(target)
+    engine = SpecEngine(target, drafter.proposer())
+    run = run_heldout(engine, prompts[:2], max_new_tokens=8, show_progress=False)
+    assert isinstance(engine.scheduler, VerifyAll)  # the recording wrapper is removed afterwards
+    assert run.identical_to_target and run.prompts == 2 and run.new_tokens == 16
+    records = run.records
+    assert len(records) == run.rounds  # no answer ended on EOS: every round's outcome is known
+    assert int(records.num_accepted.sum()) == run.accepted
+    assert bool((records.num_verified <= records.num_drafted).all()) and records.gamma == drafter.block_size
+    assert run.tau == pytest.approx(1 + run.accepted / run.rounds)
+    calibration = calibrate(run, tmp_path)
+    assert Calibration.load(tmp_path).temperatures == calibration.temperatures
+    assert len(RoundRecords.load(tmp_path / "calibration_rounds.npz")) == run.rounds
+
+
+def test_a_drafter_without_confidence_head_cannot_be_calibrated(target, prompts, tmp_path):
+    drafter = tiny_drafter(target, confidence_head=False, confidence_with_markov=False)
+    run = run_heldout(SpecEngine(target, drafter.proposer()), prompts[:1], max_new_tokens=4, show_progress=False)
+    assert run.records is None
+    with pytest.raises(ValueError, match="confidence head"):
+        calibrate(run, tmp_path)

@@ -1,0 +1,480 @@
+"""Train a DSpark drafter on a target cache with Hugging Face accelerate.
+
+The same code runs on one CPU, several GPUs and several machines: ``accelerate launch``
+decides the process group, and the trainer only talks to an ``Accelerator``. What it does:
+
+* AdamW over the drafter's own parameters (the target's embedding and LM head are
+  borrowed and frozen, never registered), linear warm-up then cosine decay, gradient
+  clipping, bf16 autocast where the device supports it;
+* data: one packed row per cached sequence (``PackedDataset``), shuffled per epoch by a
+  seeded sampler and sharded over processes by the prepared DataLoader;
+* losses normalised by the weight total of the *global* batch (all-reduced), so tiny
+  per-process batches give the same mean as one large batch;
+* checkpoints (``accelerator.save_state``: model weights in safetensors, optimizer,
+  scheduler, RNG states, and the data position) plus a loadable drafter directory;
+  ``resume`` continues exactly where the checkpoint was taken;
+* periodic evaluation on held-out cached sequences: the loss terms, the expected tau
+  from the confidence labels ``c*_k = 1 - tv_k / 2`` and the acceptance by position;
+* a progress bar and a JSONL metrics log, from the main process only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import shutil
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from vlmspec.drafters.dspark import DSparkDrafter
+from vlmspec.training.packing import PackedBatch, PackedDataset, collate
+from vlmspec.training.attention import checked_flex, packed_hidden, resolve_attention
+from vlmspec.training.cache import TargetCache
+from vlmspec.training.losses import LossSums, LossWeights, block_terms, position_weights, reduce_terms
+
+MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and bookkeeping settings (the paper's defaults where it has them)."""
+
+    steps: int = 2000  # optimizer steps
+    batch_size: int = 4  # packed rows (sequences) per process per micro-step
+    num_anchors: int = 64  # anchor blocks per sequence
+    grad_accum: int = 1
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    max_grad_norm: float = 1.0
+    loss: LossWeights = field(default_factory=LossWeights)
+    chunk_tokens: int = 1024  # block positions per LM-head chunk (bounds the [n, V] logits)
+    attention: str = "auto"  # auto | sdpa | flex
+    context_window: int | None = None  # context tokens each block sees before its anchor (None: all)
+    mixed_precision: str = "auto"  # auto (bf16 on GPUs that support it) | no | bf16 | fp16
+    eval_every: int = 200  # steps; 0 = only at the end
+    eval_sequences: int = 32  # cached sequences held out for evaluation
+    save_every: int = 500  # steps; 0 = only at the end
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    seed: int = 0
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        counts = ("steps", "batch_size", "num_anchors", "grad_accum", "chunk_tokens", "log_every", "keep_checkpoints")
+        for name in counts:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"TrainConfig.{name} must be a positive integer, got {value!r}")
+        if not self.lr > 0 or not 0 <= self.warmup_ratio < 1 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError("need lr > 0, 0 <= warmup_ratio < 1 and 0 <= min_lr_ratio <= 1")
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ValueError(f"mixed_precision must be one of {MIXED_PRECISION}, got {self.mixed_precision!r}")
+
+    @property
+    def warmup_steps(self) -> int:
+        return math.ceil(self.warmup_ratio * self.steps)
+
+
+def resolve_mixed_precision(choice: str) -> str:
+    """``auto`` -> ``bf16`` on a CUDA device that supports it, else ``no`` (fp32)."""
+    if choice != "auto":
+        return choice
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
+
+def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """LR multiplier: linear warm-up over ``warmup`` steps, then cosine from 1 to ``min_ratio``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class EpochSampler(torch.utils.data.Sampler[int]):
+    """A fresh permutation per epoch from ``(seed, epoch)``: resumable without saved RNG state."""
+
+    def __init__(self, size: int, seed: int, shuffle: bool = True) -> None:
+        self.size, self.seed, self.shuffle, self.epoch = size, seed, shuffle, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):
+        if not self.shuffle:
+            return iter(range(self.size))
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.size, generator=generator).tolist())
+
+
+class DraftLossModule(nn.Module):
+    """The drafter plus its training forward: packed batch in, weighted loss sums out.
+
+    This is what accelerate prepares (wraps in DDP), so gradient synchronisation sees
+    one forward per step. Only the drafter's own parameters are registered.
+    """
+
+    def __init__(self, drafter: DSparkDrafter, config: TrainConfig, attention: str, context_window: int | None) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.weights = config.loss
+        self.chunk_tokens = config.chunk_tokens
+        self.context_window = context_window
+        self.attention = attention
+
+    def forward(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
+        hidden = packed_hidden(self.drafter, batch, self.attention, self.context_window)  # [B, A, G, d]
+        keep = batch.valid[..., 0]  # [B, A] blocks with a supervised position
+        terms = block_terms(
+            self.drafter, hidden[keep], batch.prev_tokens[keep], batch.labels[keep], batch.target_hidden[keep],
+            self.chunk_tokens,
+        )  # fmt: skip
+        sums = reduce_terms(terms, batch.valid[keep], self.weights)
+        return {f.name: getattr(sums, f.name) for f in fields(sums)}  # a dict: DDP finds the tensors
+
+
+@dataclass
+class TrainState:
+    """Where training stands; saved with every checkpoint (accelerate custom state)."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches of the current epoch already consumed
+    blocks: int = 0  # anchor blocks trained on (all processes)
+    train_seconds: float = 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+@dataclass
+class TrainSummary:
+    """What a finished run reports."""
+
+    steps: int
+    blocks: int
+    train_seconds: float
+    blocks_per_second: float
+    peak_memory_mb: float
+    first_loss: float | None
+    last_loss: float | None
+    final_eval: dict[str, Any]
+    drafter_dir: str
+
+
+class Trainer:
+    """Trains ``drafter`` on ``cache``; writes checkpoints, ``metrics.jsonl`` and ``drafter/`` under ``output_dir``."""
+
+    def __init__(
+        self,
+        drafter: DSparkDrafter,
+        cache: TargetCache,
+        output_dir: str | Path,
+        config: TrainConfig,
+        accelerator=None,
+    ) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import DataLoaderConfiguration
+
+        self.config = config
+        self.output_dir = Path(output_dir)
+        self.accelerator = accelerator or Accelerator(
+            mixed_precision=resolve_mixed_precision(config.mixed_precision),
+            gradient_accumulation_steps=config.grad_accum,
+            step_scheduler_with_optimizer=False,
+            dataloader_config=DataLoaderConfiguration(even_batches=True),
+        )
+        self._freeze_vocabulary(drafter)
+        self.drafter = drafter.float()
+        self.cache = cache
+        self.attention = resolve_attention(config.attention, self.accelerator.device)
+        self._verify_flex = config.attention == "auto" and self.attention == "flex"
+        self.grad_norm = float("nan")
+        self._window = _Window()  # sums since the last train record
+        self._losses: list[float] = []  # the train records' losses of this run
+        train_dataset, self.eval_dataset = self._datasets(cache)
+        module = DraftLossModule(self.drafter, config, self.attention, train_dataset.context_window)
+        optimizer = adamw(list(self.drafter.parameters()), config)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: warmup_cosine(s, config.steps, config.warmup_steps, config.min_lr_ratio)
+        )
+        train_loader = self._loader(train_dataset, shuffle=True)
+        eval_loader = self._loader(self.eval_dataset, shuffle=False) if self.eval_dataset else None
+        self.module, self.optimizer, self.scheduler, self.train_loader = self.accelerator.prepare(
+            module, optimizer, scheduler, train_loader
+        )
+        self.eval_loader = self.accelerator.prepare(eval_loader) if eval_loader is not None else None
+        self.train_dataset = train_dataset
+        self.state = TrainState()
+        self.accelerator.register_for_checkpointing(self.state)
+        self.position_weights = position_weights(drafter.block_size, config.loss.decay, self.accelerator.device)
+
+    # ------------------------------------------------------------------ set-up
+    def _freeze_vocabulary(self, drafter: DSparkDrafter) -> None:
+        """The target's embedding and LM head stay frozen; without autocast they must be float32."""
+        head = drafter.vocabulary.lm_head.weight
+        if head.dtype != torch.float32 and self.accelerator.mixed_precision == "no":
+            raise ValueError(
+                f"the target is loaded in {head.dtype} but training runs without mixed precision; pass "
+                "--mixed-precision bf16 (GPUs) or load the target in float32 (--dtype float32)"
+            )
+        if head.requires_grad:
+            drafter.vocabulary.lm_head.requires_grad_(False)
+            drafter.vocabulary.embedding.requires_grad_(False)
+
+    def _datasets(self, cache: TargetCache) -> tuple[PackedDataset, PackedDataset | None]:
+        config = self.config
+        order = torch.randperm(len(cache), generator=torch.Generator().manual_seed(config.seed)).tolist()
+        held = min(config.eval_sequences, len(cache) // 5)  # never more than a fifth of the cache
+        options = dict(num_anchors=config.num_anchors, block_size=self.drafter.block_size,
+                       context_window=config.context_window)  # fmt: skip
+        train = PackedDataset(cache, sorted(order[held:]), seed=config.seed, **options)
+        evaluation = PackedDataset(cache, sorted(order[:held]), seed=config.seed + 1, **options) if held else None
+        return train, evaluation
+
+    def _loader(self, dataset: PackedDataset, shuffle: bool) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(
+            dataset,
+            batch_size=self.config.batch_size,
+            sampler=EpochSampler(len(dataset), self.config.seed, shuffle),
+            collate_fn=collate,
+            num_workers=self.config.num_workers,
+            drop_last=False,
+        )
+
+    # ------------------------------------------------------------------ training
+    def train(self, resume_from: str | Path | None = None, until: int | None = None) -> TrainSummary:
+        """Run until ``config.steps`` optimizer steps are done (resuming from a checkpoint if given).
+
+        ``until`` stops earlier, after that many steps, with a checkpoint to resume from (the
+        learning-rate schedule still spans ``config.steps``): a planned interruption.
+        """
+        if resume_from is not None:
+            self.load_checkpoint(resume_from)
+        accelerator, config = self.accelerator, self.config
+        stop = config.steps if until is None else min(until, config.steps)
+        bar = tqdm(total=config.steps, initial=self.state.step, desc="train drafter", unit="step",
+                   disable=not accelerator.is_main_process, dynamic_ncols=True)  # fmt: skip
+        self._window, self._losses = _Window(), []
+        while self.state.step < stop:
+            tick = time.perf_counter()  # training time includes loading batches, not evaluations or checkpoints
+            for batch in self._epoch_batches():
+                sums, stepped = self._micro_step(batch)
+                self.state.batch_in_epoch += 1
+                self.state.train_seconds += time.perf_counter() - tick
+                self._window.add(sums, config.loss)
+                if stepped:
+                    self._after_step(bar)
+                if self.state.step >= stop:
+                    break
+                tick = time.perf_counter()
+            else:
+                self.state.epoch += 1
+                self.state.batch_in_epoch = 0
+        bar.close()
+        finished = self.state.step >= config.steps
+        final_eval = self.evaluate() if finished else {}
+        drafter_dir = self.save_checkpoint(final=finished)
+        return TrainSummary(
+            steps=self.state.step,
+            blocks=self.state.blocks,
+            train_seconds=self.state.train_seconds,
+            blocks_per_second=self.state.blocks / max(self.state.train_seconds, 1e-9),
+            peak_memory_mb=peak_memory_mb(self.accelerator.device),
+            first_loss=self._losses[0] if self._losses else None,
+            last_loss=self._losses[-1] if self._losses else None,
+            final_eval=final_eval,
+            drafter_dir=str(drafter_dir),
+        )
+
+    def _epoch_batches(self):
+        """The rest of the current epoch's batches for this process (skipping those already consumed)."""
+        self.train_dataset.set_epoch(self.state.epoch)
+        self.train_loader.set_epoch(self.state.epoch)
+        if self.state.batch_in_epoch:
+            return self.accelerator.skip_first_batches(self.train_loader, self.state.batch_in_epoch)
+        return self.train_loader
+
+    def _micro_step(self, batch: PackedBatch) -> tuple[LossSums, bool]:
+        """Forward and backward of one micro-batch; an optimizer step when accumulation completes."""
+        accelerator = self.accelerator
+        if self._verify_flex:  # "auto" chose flex: confirm it on real data once, else fall back to SDPA
+            module = accelerator.unwrap_model(self.module)
+            module.attention = checked_flex(self.drafter, batch, module.context_window)
+            self._verify_flex = False
+        with accelerator.accumulate(self.module):
+            local_weight = (self.position_weights * batch.valid).sum()
+            global_weight = accelerator.reduce(local_weight.detach(), reduction="sum").clamp(min=1e-6)
+            sums = LossSums(**self.module(batch))
+            loss = sums.combined(self.config.loss) * accelerator.num_processes / global_weight
+            accelerator.backward(loss)
+            stepped = accelerator.sync_gradients
+            if stepped:
+                norm = accelerator.clip_grad_norm_(self.drafter.parameters(), self.config.max_grad_norm)
+                self.grad_norm = float(norm)
+            self.optimizer.step()
+            if stepped:
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        blocks = accelerator.reduce(batch.valid[..., 0].sum().detach(), reduction="sum")
+        self.state.blocks += int(blocks)
+        return _detached(sums), stepped
+
+    def _after_step(self, bar) -> None:
+        """Count the optimizer step; log, evaluate and checkpoint when due."""
+        self.state.step += 1
+        bar.update(1)
+        step, config = self.state.step, self.config
+        if step % config.log_every == 0 or step == config.steps:
+            record = self._log_train(self._window)
+            self._losses.append(record["loss"])
+            bar.set_postfix(loss=f"{record['loss']:.3f}", exp_tau=f"{record['expected_tau']:.2f}",
+                            blocks_s=f"{record['blocks_per_s']:.1f}")  # fmt: skip
+            self._window = _Window()
+        if config.eval_every and step % config.eval_every == 0 and step < config.steps:
+            self.evaluate()
+        if config.save_every and step % config.save_every == 0 and step < config.steps:
+            self.save_checkpoint()
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any]:
+        """Loss terms, expected tau and acceptance by position on the held-out cached sequences."""
+        if self.eval_loader is None:
+            return {}
+        self.eval_dataset.set_epoch(0)  # the same anchors at every evaluation
+        total = _Window()
+        self.module.eval()
+        for batch in self.eval_loader:
+            total.add(_detached(LossSums(**self.module(batch))), self.config.loss)
+        self.module.train()
+        record = {"step": self.state.step, "split": "eval", **total.summary(self.accelerator)}
+        self._write_metrics(record)
+        return record
+
+    def _log_train(self, window: "_Window") -> dict[str, Any]:
+        summary = window.summary(self.accelerator)
+        record = {
+            "step": self.state.step,
+            "split": "train",
+            **summary,
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": self.grad_norm,
+            "blocks_per_s": self.state.blocks / max(self.state.train_seconds, 1e-9),
+            "epoch": self.state.epoch,
+        }
+        self._write_metrics(record)
+        return record
+
+    def _write_metrics(self, record: dict[str, Any]) -> None:
+        if self.accelerator.is_main_process:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            with (self.output_dir / "metrics.jsonl").open("a") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, final: bool = False) -> Path:
+        """Save the full training state under ``checkpoints/step-N`` and the drafter under ``.../drafter``.
+
+        With ``final=True`` the drafter also goes to ``output_dir/drafter`` (returned).
+        """
+        accelerator = self.accelerator
+        directory = self.output_dir / "checkpoints" / f"step-{self.state.step:07d}"
+        accelerator.wait_for_everyone()
+        if not (directory / "model.safetensors").is_file():  # the end of a run may coincide with a periodic save
+            accelerator.save_state(str(directory))
+        if accelerator.is_main_process:
+            drafter = accelerator.unwrap_model(self.module).drafter
+            drafter.save_pretrained(directory / "drafter")
+            self._prune_checkpoints()
+            if final:
+                drafter.save_pretrained(self.output_dir / "drafter")
+        accelerator.wait_for_everyone()
+        return self.output_dir / "drafter" if final else directory
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        """Restore weights, optimizer, scheduler, RNG states and the data position."""
+        directory = Path(directory)
+        if not (directory / "model.safetensors").is_file() and not any(directory.glob("model*.safetensors")):
+            raise ValueError(
+                f"{directory} is not a training checkpoint (no model.safetensors); pass a checkpoints/step-N directory"
+            )
+        self.accelerator.load_state(str(directory))
+
+    def _prune_checkpoints(self) -> None:
+        checkpoints = sorted((self.output_dir / "checkpoints").glob("step-*"))
+        for old in checkpoints[: -self.config.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def adamw(parameters: list[nn.Parameter], config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW, fused where the device supports it (5x faster on CPU for the 151k-row Markov tables)."""
+    options = dict(lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    try:
+        return torch.optim.AdamW(parameters, fused=True, **options)
+    except (RuntimeError, ValueError, TypeError):
+        return torch.optim.AdamW(parameters, **options)
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest ``checkpoints/step-N`` under ``output_dir``, or None."""
+    checkpoints = sorted((Path(output_dir) / "checkpoints").glob("step-*"))
+    return checkpoints[-1] if checkpoints else None
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak allocated accelerator memory (CUDA), or the process's peak resident set size (CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _detached(sums: LossSums) -> LossSums:
+    return LossSums(**{f.name: getattr(sums, f.name).detach() for f in fields(sums)})
+
+
+class _Window:
+    """Sums of loss terms and diagnostics over several micro-batches."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, sums: LossSums, weights: LossWeights) -> None:
+        values = {f.name: getattr(sums, f.name).float() for f in fields(sums)}
+        values["loss"] = sums.combined(weights).float()
+        for key, value in values.items():
+            self.sums[key] = self.sums[key] + value if key in self.sums else value
+
+    def summary(self, accelerator) -> dict[str, Any]:
+        """Means over the window, summed across processes first."""
+        if not self.sums:
+            return {}
+        s = {key: accelerator.reduce(value, reduction="sum") for key, value in self.sums.items()}
+        weight = float(s["weight"].clamp(min=1e-9))
+        count = s["count"].clamp(min=1)
+        return {
+            "loss": float(s["loss"]) / weight,
+            "ce": float(s["ce"]) / weight,
+            "tv": float(s["tv"]) / weight,
+            "confidence": float(s["bce"]) / weight,
+            "expected_tau": float(s["expected_tau"]) / max(float(s["full_blocks"]), 1.0),
+            "acceptance_by_position": (s["acceptance"] / count).tolist(),
+            "top1_by_position": (s["top1"] / count).tolist(),
+            "blocks": int(s["count"][0]),
+        }
