@@ -22,6 +22,8 @@ caller.
 
 from __future__ import annotations
 
+import abc
+
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +62,7 @@ def draw(
     return sample_from_uniforms(probs, uniforms.to(probs.device)), probs
 
 
-class SequentialHead(nn.Module):
+class SequentialHead(nn.Module, abc.ABC):
     """Interface of all heads (see the module docstring)."""
 
     #: Width of the head's token embedding W1 (0 when the head has none).
@@ -70,14 +72,16 @@ class SequentialHead(nn.Module):
         """The head's embedding of ``tokens`` (the Markov feature the confidence head may use)."""
         return None
 
+    @abc.abstractmethod
     def teacher_forced(
         self,
         hidden: torch.Tensor,  # [B, G, d] backbone states
         base_logits: torch.Tensor,  # [B, G, V] float32
         prev_tokens: torch.Tensor,  # [B, G] int64: [anchor, x_1 .. x_{G-1}]
     ) -> torch.Tensor:  # [B, G, V] float32 corrected logits
-        raise NotImplementedError
+        """Corrected logits when the previous tokens are known (training)."""
 
+    @abc.abstractmethod
     def sample(
         self,
         hidden: torch.Tensor,  # [B, G, d]
@@ -86,7 +90,7 @@ class SequentialHead(nn.Module):
         temperature: float,
         generator: torch.Generator | None,
     ) -> HeadSample:
-        raise NotImplementedError
+        """Draw the block left to right, each position given the token drawn before it."""
 
 
 class NoHead(SequentialHead):
@@ -128,13 +132,14 @@ class LowRankHead(SequentialHead):
     def initial_state(self, hidden: torch.Tensor) -> torch.Tensor | None:  # hidden [B, G, d]
         return None
 
+    @abc.abstractmethod
     def code(
         self,
         state: torch.Tensor | None,  # [B, r] or None
         hidden: torch.Tensor,  # [B, d] backbone state at this position
         prev: torch.Tensor,  # [B, r] W1 of the previous token
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # code z_k [B, r], next state
-        raise NotImplementedError
+        """The bias code of one position and the state carried to the next."""
 
     def teacher_forced(self, hidden, base_logits, prev_tokens):
         prev = self.embed(prev_tokens)  # [B, G, r]
