@@ -305,6 +305,20 @@ def test_save_load_round_trip_reproduces_drafts(tmp_path):
     torch.testing.assert_close(outs[0].confidences, outs[1].confidences, atol=0, rtol=0)
 
 
+def test_half_precision_save_halves_the_file_and_loads_at_target_dtype(tmp_path):
+    target = StubTarget()
+    drafter = make_drafter(target)
+    drafter.save_pretrained(tmp_path / "full")
+    drafter.save_pretrained(tmp_path / "half", dtype=torch.float16)
+    full, half = ((tmp_path / d / "model.safetensors").stat().st_size for d in ("full", "half"))
+    assert half < 0.55 * full
+    loaded = DSparkDrafter.from_pretrained(tmp_path / "half", target=target)
+    for name, tensor in loaded.state_dict().items():
+        original = drafter.state_dict()[name]
+        assert tensor.dtype == original.dtype
+        torch.testing.assert_close(tensor, original.half().to(original.dtype), atol=0, rtol=0)
+
+
 def test_load_errors_are_clear(tmp_path):
     target = StubTarget()
     make_drafter(target).save_pretrained(tmp_path / "d")

@@ -124,14 +124,19 @@ class DSparkDrafter(nn.Module):
             row_std = rows[:: max(rows.shape[0] // 4096, 1)].float().std().item()  # a sample of rows suffices
             self.mask_embedding.normal_(0.0, row_std)
 
-    def save_pretrained(self, directory: str | os.PathLike) -> None:
-        """Write ``config.json`` and ``model.safetensors`` (the drafter's own weights only)."""
+    def save_pretrained(self, directory: str | os.PathLike, *, dtype: torch.dtype | None = None) -> None:
+        """Write ``config.json`` and ``model.safetensors`` (the drafter's own weights only).
+
+        ``dtype`` (e.g. ``torch.float16``) stores floating-point weights in that precision to
+        halve a checkpoint that ships with a package; :meth:`from_pretrained` casts them back
+        to the target's dtype.
+        """
         from safetensors.torch import save_file
 
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         self.config.save(path)
-        state = {name: tensor.detach().contiguous().cpu() for name, tensor in self.state_dict().items()}
+        state = {name: _stored(tensor, dtype) for name, tensor in self.state_dict().items()}
         save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "target": self.config.target_name})
 
     @classmethod
@@ -300,3 +305,9 @@ def _tie(target: Any) -> TiedVocabulary:
     for parameter in (*embedding.parameters(), *head.parameters()):
         parameter.requires_grad_(False)
     return TiedVocabulary(embedding, head)
+
+
+def _stored(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``tensor`` as it is written to disk: on the CPU, floating point cast to ``dtype`` when given."""
+    tensor = tensor.detach().contiguous().cpu()
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
