@@ -117,8 +117,11 @@ class SpecEngine:
     ) -> "SpecEngine":
         """Load a target from a local directory (or ``tiny:FAMILY``) and attach a drafter.
 
-        ``drafter`` is None (target alone), ``"prompt-lookup"``, the directory of a saved
-        DSpark drafter, or any object implementing the Proposer protocol.
+        ``target_dir`` may also be ``"reference"``: the bundled real-weights reference
+        target (:mod:`vlmspec.reference`). ``drafter`` is None (target alone),
+        ``"prompt-lookup"``, ``"reference"`` / ``"reference-dflash"`` (the drafters trained
+        for the reference target), the directory of a saved DSpark drafter, or any object
+        implementing the Proposer protocol.
         """
         target = load_target(target_dir, dtype=dtype, attn_implementation=attn_implementation, device=device)
         return cls(target, load_proposer(drafter, target), scheduler)
@@ -303,10 +306,13 @@ def load_proposer(drafter: str | os.PathLike | Proposer | None, target: QwenVLTa
         from vlmspec.drafters.prompt_lookup import PromptLookup
 
         return PromptLookup()
-    path = Path(drafter)
+    from vlmspec.reference import REFERENCE_DRAFTERS, reference_drafter_dir
+
+    path = reference_drafter_dir(str(drafter)) if str(drafter) in REFERENCE_DRAFTERS else Path(drafter)
     if not path.is_dir():
         raise FileNotFoundError(
-            f"drafter {str(drafter)!r} is neither 'prompt-lookup' nor a directory with a saved drafter"
+            f"drafter {str(drafter)!r} is neither 'prompt-lookup', {' nor '.join(map(repr, REFERENCE_DRAFTERS))}, "
+            "nor a directory with a saved drafter"
         )
     from vlmspec.drafters.dspark import DSparkDrafter
 

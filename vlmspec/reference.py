@@ -143,6 +143,21 @@ def reference_assets_dir(path: str | os.PathLike | None = None) -> Path:
     return path
 
 
+# The drafters trained for the reference target by recipes/train_qwen3vl.py (see
+# recipes/README.md): DSpark (Markov head) and its DFlash ablation (no sequential head).
+REFERENCE_DRAFTERS = {"reference": "dspark", "reference-dflash": "dflash"}
+
+
+def reference_drafter_dir(name: str = "reference") -> Path:
+    """The committed drafter ``name`` ("reference" or "reference-dflash") for the reference target."""
+    if name not in REFERENCE_DRAFTERS:
+        raise ValueError(f"unknown reference drafter {name!r}; choose one of {sorted(REFERENCE_DRAFTERS)}")
+    path = Path(__file__).resolve().parent / "assets" / "reference-drafter" / REFERENCE_DRAFTERS[name]
+    if not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(f"the {name!r} drafter is missing from {path}; it ships with the vlmspec repository")
+    return path
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "vlmspec")
 

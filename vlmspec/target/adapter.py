@@ -387,12 +387,18 @@ def load_target(
     attn_implementation: str = "sdpa",
     device: str | torch.device = "cpu",
 ) -> QwenVLTarget:
-    """A target from a local model directory, or a random-init model of a real Qwen-VL architecture.
+    """A target from a local model directory, the reference model, or a random-init Qwen-VL.
 
-    ``tiny:FAMILY`` is hidden 64 / 4 layers (tests); ``small:FAMILY`` is hidden 512 / 8
-    layers (benchmarks of the mechanics). Both use the real Qwen tokenizer and full
-    vocabulary; random weights say nothing about acceptance.
+    ``reference`` is SmolLM2-135M-Instruct's real weights in a Qwen2-VL with a small
+    trained vision tower (:mod:`vlmspec.reference`; assembled on first use). ``tiny:FAMILY``
+    is hidden 64 / 4 layers (tests); ``small:FAMILY`` is hidden 512 / 8 layers (benchmarks
+    of the mechanics). Both use the real Qwen tokenizer and full vocabulary; random weights
+    say nothing about acceptance.
     """
+    if str(spec) == REFERENCE_SPEC:
+        from vlmspec.reference import reference_target_dir
+
+        spec = reference_target_dir()
     kind, _, family = str(spec).partition(":")
     if kind in RANDOM_TARGET_SIZES and family:
         from vlmspec.target.tiny import tiny_target
@@ -403,6 +409,7 @@ def load_target(
 
 
 RANDOM_TARGET_SIZES = {"tiny": {}, "small": {"hidden_size": 512, "num_layers": 8}}
+REFERENCE_SPEC = "reference"
 
 
 def load_processor(path: str | os.PathLike, model_type: str):
