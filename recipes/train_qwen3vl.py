@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _data_options(group) -> None:
     add = group.add_argument
     add("--target", required=True,
-        help="saved Qwen-VL directory, or tiny:qwen2_vl | tiny:qwen2_5_vl | tiny:qwen3_vl")  # fmt: skip
+        help="saved Qwen-VL directory, reference (the bundled SmolLM2 Qwen2-VL), or tiny:qwen2_vl | tiny:qwen2_5_vl | tiny:qwen3_vl")  # fmt: skip
     add("--prompts", action="append", required=True,
         help="prompt file: .jsonl (turns or messages) or MMBench .tsv; repeatable")  # fmt: skip
     add("--out", required=True, help="output directory: drafter/, checkpoints/, cache/, metrics.jsonl, report.json")

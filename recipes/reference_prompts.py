@@ -1,0 +1,113 @@
+"""Write the prompt mix that trains the reference target's drafter (``recipes/train_qwen3vl.py --prompts``).
+
+The mix has prompts with and without images, and leaves out everything the benchmark
+(``benchmarks/mmbench_spec.py``) measures, so that the numbers in the closing notes are
+held out:
+
+* text: GSM8K entries from ``--gsm8k-offset`` on and MT-Bench entries from
+  ``--mt-bench-offset`` on (the benchmark takes the first ``--num-questions`` of each);
+* easy-vqa's *train* split: its questions and "describe" prompts (the benchmark asks
+  about the *test* split);
+* scikit-image pictures that the benchmark's open questions do not use, each with a few
+  open prompts.
+
+Images are written next to the JSONL as PNG files (paths in the JSONL are relative to it).
+
+    python recipes/reference_prompts.py --out runs/reference-drafter/prompts
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_PROMPTS = REPO.parent / "shared" / "data" / "prompts"
+
+# skimage.data pictures that load offline and are not in benchmarks' SKIMAGE_OPEN_QUESTIONS.
+TRAIN_PICTURES = ("cat", "horse", "clock", "grass", "gravel", "moon", "cell", "checkerboard", "retina", "logo")
+OPEN_PROMPTS = (
+    "Describe the image.",
+    "What is in this image?",
+    "Describe this picture in a few words.",
+    "What colors do you see in this picture?",
+    "Write one sentence about this image.",
+    "What shape is in the image?",
+)
+EASY_VQA_DESCRIBE = ("Describe the image.", "What is in this image?", "Describe this picture in a few words.")
+
+
+def first_turns(path: Path, start: int, count: int) -> list[dict]:
+    """``count`` entries of a ``{"turns": [...]}`` file from line ``start`` on, first turn only."""
+    lines = path.read_text().splitlines()[start : start + count]
+    if len(lines) < count:
+        raise ValueError(f"{path} has only {start + len(lines)} entries; lower the count or the offset")
+    return [{"turns": json.loads(line)["turns"][:1]} for line in lines]
+
+
+def easy_vqa_records(count: int, rng: random.Random) -> list[dict]:
+    """Questions and describe prompts about easy-vqa train images (absolute paths into the package)."""
+    import easy_vqa
+
+    questions, _, image_ids = easy_vqa.get_train_questions()
+    paths = easy_vqa.get_train_image_paths()
+    picks = rng.sample(range(len(questions)), count)
+    records = []
+    for n, i in enumerate(picks):
+        prompt = questions[i][0].upper() + questions[i][1:] if n % 2 else rng.choice(EASY_VQA_DESCRIBE)
+        records.append({"turns": [prompt], "images": [str(Path(paths[image_ids[i]]).resolve())]})
+    return records
+
+
+def picture_records(out: Path, prompts_per_picture: int, rng: random.Random) -> list[dict]:
+    """Each training picture saved as PNG beside the JSONL, with open prompts."""
+    import sys
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks.common import skimage_image
+
+    records = []
+    for name in TRAIN_PICTURES:
+        skimage_image(name, max_side=448).save(out / f"{name}.png")
+        for prompt in rng.sample(OPEN_PROMPTS, prompts_per_picture):
+            records.append({"turns": [prompt], "images": [f"{name}.png"]})
+    return records
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="directory for prompts.jsonl and its images")
+    parser.add_argument("--prompts-dir", type=Path, default=SHARED_PROMPTS, help="where gsm8k.jsonl and mt-bench.jsonl are")
+    parser.add_argument("--gsm8k", type=int, default=96, help="GSM8K prompts")
+    parser.add_argument("--gsm8k-offset", type=int, default=100, help="first GSM8K entry used (the benchmark takes those before)")
+    parser.add_argument("--mt-bench", type=int, default=56, help="MT-Bench first turns")
+    parser.add_argument("--mt-bench-offset", type=int, default=24)
+    parser.add_argument("--easy-vqa", type=int, default=120, help="easy-vqa train questions / describe prompts")
+    parser.add_argument("--prompts-per-picture", type=int, default=3, help="open prompts per scikit-image picture")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> Path:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    records = (
+        first_turns(args.prompts_dir / "gsm8k.jsonl", args.gsm8k_offset, args.gsm8k)
+        + first_turns(args.prompts_dir / "mt-bench.jsonl", args.mt_bench_offset, args.mt_bench)
+        + easy_vqa_records(args.easy_vqa, rng)
+        + picture_records(args.out, args.prompts_per_picture, rng)
+    )
+    rng.shuffle(records)
+    path = args.out / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with_images = sum(bool(r.get("images")) for r in records)
+    print(f"wrote {path}: {len(records)} prompts, {with_images} with an image")
+    return path
+
+
+if __name__ == "__main__":
+    main()
