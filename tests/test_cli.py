@@ -3,11 +3,20 @@ import json
 from vlmspec.cli import main
 
 
-def test_demo_runs_and_reports_identical_output(capsys):
-    assert main(["demo", "--max-new-tokens", "12"]) == 0
-    out = capsys.readouterr()
-    assert "RANDOM weights" in out.err
-    assert "tau:" in out.out and "output: identical" in out.out
+def test_demo_runs_the_reference_pair_and_reports_identical_output(capsys):
+    assert main(["demo", "--max-new-tokens", "12", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "target: reference   drafter: reference" in out
+    assert "Q: [image] Describe the image.\nA: A red circle." in out  # the held-out image, answered right
+    assert out.count("output: identical") == 2 and "overall:" in out and "speedup:" in out
+
+
+def test_demo_runs_a_random_tiny_target_with_prompt_lookup(capsys):
+    args = ["demo", "--target", "tiny:qwen2_vl", "--drafter", "prompt-lookup", "--max-new-tokens", "6",
+            "--repeats", "1", "--text-prompt", ""]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("output: identical") == 1 and "overall:" not in out
 
 
 def test_generate_prints_the_answer_and_stats(capsys):

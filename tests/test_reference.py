@@ -190,3 +190,47 @@ def test_unpermute_rotary_rows_restores_split_halves():
     half = head_dim // 2
     gguf_order = [h * head_dim + i + j * half for h in range(heads) for i in range(half) for j in range(2)]
     assert torch.equal(reference.unpermute_rotary_rows(hf_rows[gguf_order], heads), hf_rows)
+
+
+# ------------------------------------------------------------- the committed drafters
+# Prompts the drafters never trained on: easy-vqa *test* images, and GSM8K / MT-Bench
+# entries before the offsets recipes/reference_prompts.py starts from.
+PAIR_PROMPTS = [  # (easy-vqa test image id or None, prompt)
+    (7, "Describe the image."),
+    (11, "What color is the shape? Answer, then describe the image."),
+    (None, "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+           "How many clips did Natalia sell altogether in April and May?"),
+    (None, "Write a short note to a friend about a trip to the mountains."),
+]  # fmt: skip
+# tau (tokens committed per round) of each drafter over PAIR_PROMPTS, greedy, float32, 48
+# new tokens, measured when the drafters were committed: DSpark 1.186, DFlash 1.159 (an
+# untrained drafter gives about 1.0). The floors leave room for a drafter near-tie that
+# another CPU's kernels may break the other way.
+DRAFTER_TAU_FLOOR = {"reference": 1.13, "reference-dflash": 1.10}
+
+
+@needs_smollm2
+@pytest.mark.parametrize("name", sorted(DRAFTER_TAU_FLOOR))
+def test_committed_drafter_is_lossless_and_accepts(target, name):
+    from vlmspec.engine import load_proposer
+
+    engine = SpecEngine(target, load_proposer(name, target))
+    accepted = rounds = 0
+    for image_id, prompt in PAIR_PROMPTS:
+        image = None if image_id is None else _test_image(image_id)
+        alone = engine.generate(image, prompt, max_new_tokens=48, speculative=False)
+        spec = engine.generate(image, prompt, max_new_tokens=48)
+        assert spec.token_ids == alone.token_ids, (name, prompt, spec.text, alone.text)
+        accepted += spec.stats.accepted
+        rounds += spec.stats.rounds
+    tau = (accepted + rounds) / rounds  # SpecStats.tau over all the prompts' rounds
+    assert tau >= DRAFTER_TAU_FLOOR[name], (name, tau)
+
+
+def test_reference_drafter_names_resolve_to_committed_files():
+    for name in reference.REFERENCE_DRAFTERS:
+        path = reference.reference_drafter_dir(name)
+        assert (path / "config.json").is_file() and (path / "calibration.json").is_file()
+        assert (path / "model.safetensors").stat().st_size < 40 * 2**20  # ships in the package: keep it small
+    with pytest.raises(ValueError, match="unknown reference drafter"):
+        reference.reference_drafter_dir("nope")
