@@ -350,13 +350,18 @@ def pretrain_vision(target: QwenVLTarget, images: list[tuple[str, int, int]], ar
         colors, shapes = torch.tensor([r[1] for r in rows]), torch.tensor([r[2] for r in rows])  # [B], [B]
         cross_entropy = torch.nn.functional.cross_entropy
         loss = cross_entropy(logits[:, : len(COLORS)], colors) + cross_entropy(logits[:, len(COLORS) :], shapes)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}")
+        clipped_step(optimizer, params, loss, losses, bar)
     return losses
+
+
+def clipped_step(optimizer, params: list[torch.nn.Parameter], loss: torch.Tensor, losses: list[float], bar) -> None:
+    """One optimizer step with the gradient norm clipped to 1; the loss joins ``losses`` and the bar's mean of 50."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    losses.append(loss.item())
+    bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}")
 
 
 def train_vision(target: QwenVLTarget, stream: Iterator[list[Example]], args, heldout_probe: list[Example]) -> list[float]:
@@ -374,12 +379,7 @@ def train_vision(target: QwenVLTarget, stream: Iterator[list[Example]], args, he
         conversations = [encode_conversation(target.processor, next(stream)) for _ in range(args.batch_size)]
         batch = collate(conversations, target.tokenizer.pad_token_id)
         loss = answer_loss(model, batch, prefix)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}")
+        clipped_step(optimizer, params, loss, losses, bar)
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             model.model.visual.eval()
             summary = evaluate(target, heldout_probe, progress=False)["accuracy"]
