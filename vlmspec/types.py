@@ -12,6 +12,7 @@ Distributions are named ``draft_probs`` and ``target_probs``; both are float32.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -97,6 +98,12 @@ class VerifyResult:
         return draft_tokens[row, :n].tolist() + [int(self.next_tokens[row])]
 
 
+def pooled_tau(stats: Sequence[SpecStats]) -> float:
+    """tau over every round of several generations (not the mean of their taus)."""
+    rounds = sum(s.rounds for s in stats)
+    return (sum(s.accepted for s in stats) + rounds) / rounds if rounds else 0.0
+
+
 @dataclass
 class SpecStats:
     """Statistics of one generation. ``tau`` counts accepted + 1 per round."""
@@ -119,7 +126,7 @@ class SpecStats:
     @property
     def tau(self) -> float:
         """Mean tokens committed per round (accepted drafts + the recovered/bonus token)."""
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+        return pooled_tau([self])
 
     @property
     def acceptance_by_position(self) -> list[float]:
