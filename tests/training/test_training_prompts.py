@@ -9,7 +9,14 @@ import pytest
 import torch
 from training_helpers import FEATURE_LAYERS, GSM8K_MINI
 
-from vlmspec.training import GenerationConfig, load_prompt_sources, read_prompts, regenerate_item, split_prompts
+from vlmspec.training import (
+    GenerationConfig,
+    load_prompt_sources,
+    read_prompts,
+    regenerate_item,
+    regenerate_items,
+    split_prompts,
+)
 
 MMBENCH = Path(__file__).parents[1] / "fixtures" / "mmbench_mini.tsv"
 
@@ -92,3 +99,21 @@ def test_bad_prompt_files_are_refused(tmp_path):
         read_prompts(tmp_path / "prompts.txt")
     with pytest.raises(ValueError, match="at least one --prompts"):
         load_prompt_sources([])
+
+
+def test_batched_regeneration_equals_one_prompt_at_a_time(make_target, tmp_path, astronaut):
+    """Every sequence of a batch (images, second turns, rows that end early) is the one regenerated alone."""
+    target = make_target("qwen2_vl")
+    astronaut.resize((64, 64)).save(tmp_path / "a.png")
+    lines = [{"turns": ["Describe it.", "Shorter."], "images": ["a.png"]}, {"turns": ["Hi"]},
+             {"turns": ["Name a colour.", "Another."]}]  # fmt: skip
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    items = read_prompts(tmp_path / "p.jsonl")
+    config = GenerationConfig(max_new_tokens=5, temperature=0.7, top_p=0.8, top_k=20, seed=2)
+    batched = regenerate_items(target, items, config, FEATURE_LAYERS, "interpolate")
+    alone = [sequence for item in items for sequence in regenerate_item(target, item, config, FEATURE_LAYERS, "interpolate")]
+    assert [s.id for s in batched] == [s.id for s in alone] and len(batched) == 5
+    for mine, theirs in zip(batched, alone):
+        assert torch.equal(mine.input_ids, theirs.input_ids) and torch.equal(mine.positions, theirs.positions)
+        torch.testing.assert_close(mine.features, theirs.features, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(mine.last_hidden, theirs.last_hidden, atol=1e-4, rtol=1e-4)
