@@ -191,16 +191,16 @@ def test_block_input_is_anchor_then_mask_and_positions_follow_the_anchor():
 # ---------------------------------------------------------------------------- heads
 
 
-def head_config(kind: str, vocab: int = 96, hidden: int = 16, rank: int = 8) -> DSparkConfig:
+def head_config(kind: str, vocab: int = 96, hidden: int = 16, rank: int = 8, draft_vocab: int | None = None):
     return DSparkConfig(
         target_hidden_size=hidden, target_vocab_size=vocab, target_layer_ids=(0,), hidden_size=hidden,
-        head_kind=kind, head_rank=rank, confidence_with_markov=kind != "none",
+        head_kind=kind, head_rank=rank, confidence_with_markov=kind != "none", draft_vocab_size=draft_vocab,
     )  # fmt: skip
 
 
-def random_head(kind: str, vocab: int = 96, seed: int = 0):
+def random_head(kind: str, vocab: int = 96, seed: int = 0, draft_vocab: int | None = None):
     torch.manual_seed(seed)
-    head = build_head(head_config(kind, vocab))
+    head = build_head(head_config(kind, vocab, draft_vocab=draft_vocab))
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0.0, 1.0)
@@ -209,20 +209,25 @@ def random_head(kind: str, vocab: int = 96, seed: int = 0):
 
 @pytest.mark.parametrize("kind", HEAD_KINDS)
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_head_sampling_loop_matches_teacher_forcing(kind, temperature):
-    head = random_head(kind)
+@pytest.mark.parametrize("draft_vocab", [None, 20])
+def test_head_sampling_loop_matches_teacher_forcing(kind, temperature, draft_vocab):
+    """Drawing left to right gives the teacher-forced logits of the drawn block; with a reduced
+    draft vocabulary the logits are over its columns and the tokens are the columns' target ids."""
+    head = random_head(kind, draft_vocab=draft_vocab)
     gen = torch.Generator().manual_seed(5)
-    hidden, base = torch.randn(4, 6, 16, generator=gen), torch.randn(4, 6, 96, generator=gen)
+    ids = torch.randperm(96, generator=gen)[: draft_vocab or 96]  # target id of each column
+    hidden, base = torch.randn(4, 6, 16, generator=gen), torch.randn(4, 6, ids.numel(), generator=gen)
     anchor = torch.tensor([1, 2, 3, 4])
     with torch.no_grad():
-        out = head.sample(hidden, base, anchor, temperature, gen)
+        out = head.sample(hidden, base, anchor, ids, temperature, gen)
         prev = torch.cat((anchor[:, None], out.tokens[:, :-1]), dim=1)
         forced = head.teacher_forced(hidden, base, prev)
     assert out.logits.dtype == torch.float32 and out.tokens.shape == (4, 6)
+    assert torch.isin(out.tokens, ids).all()
     torch.testing.assert_close(out.logits, forced, atol=ATOL, rtol=0)
     if temperature == 0:
         assert out.probs is None
-        assert torch.equal(out.tokens, out.logits.argmax(-1))
+        assert torch.equal(out.tokens, ids[out.logits.argmax(-1)])
     else:
         assert out.probs.dtype == torch.float32
         torch.testing.assert_close(out.probs, torch.softmax(forced / temperature, -1), atol=1e-6, rtol=0)
@@ -244,9 +249,8 @@ def test_head_samples_follow_their_distribution(kind):
     hidden, base = torch.randn(1, gamma, 16, generator=gen), torch.randn(1, gamma, vocab, generator=gen)
     anchor = torch.tensor([2])
     with torch.no_grad():
-        out = head.sample(
-            hidden.expand(samples, -1, -1), base.expand(samples, -1, -1), anchor.expand(samples), temperature, gen
-        )
+        out = head.sample(hidden.expand(samples, -1, -1), base.expand(samples, -1, -1), anchor.expand(samples),
+                          torch.arange(vocab), temperature, gen)  # fmt: skip
         blocks = torch.cartesian_prod(*[torch.arange(vocab)] * gamma)  # [125, 3]: every possible block
         n = len(blocks)
         prev = torch.cat((anchor.expand(n)[:, None], blocks[:, :-1]), dim=1)
@@ -317,6 +321,42 @@ def test_half_precision_save_halves_the_file_and_loads_at_target_dtype(tmp_path)
         original = drafter.state_dict()[name]
         assert tensor.dtype == original.dtype
         torch.testing.assert_close(tensor, original.half().to(original.dtype), atol=0, rtol=0)
+
+
+def test_reduced_draft_vocabulary_drafts_its_ids_with_full_vocabulary_probs(tmp_path):
+    target = StubTarget()
+    drafter = make_drafter(target, draft_vocab_size=12)
+    ids = torch.tensor([3, 5, 8, 13, 21, 34, 55, 60, 61, 62, 70, 89])
+    drafter.set_draft_vocabulary(ids)
+    features, positions = random_context(drafter, 9)
+    context = drafter.context_kv(features[None], positions[None])
+    out = drafter.draft(torch.tensor([8]), torch.tensor([30]), context, 1.0, torch.Generator().manual_seed(4))
+    assert torch.isin(out.tokens, ids).all() and out.logits.shape == (1, 5, 12)
+    assert out.probs.shape == (1, 5, target.vocab_size)  # scattered back for verification
+    outside = torch.ones(target.vocab_size, dtype=torch.bool)
+    outside[ids] = False
+    assert out.probs[..., outside].abs().max() == 0
+    torch.testing.assert_close(out.probs.sum(-1), torch.ones(1, 5))
+    # The LM head is the target's own rows of the draft ids.
+    hidden = torch.randn(2, 32)
+    torch.testing.assert_close(drafter.base_logits(hidden), target.output_head(hidden)[:, ids])
+    assert drafter.draft_columns(torch.tensor([13, 14])).tolist() == [3, -1]
+    # The map is part of the checkpoint.
+    drafter.save_pretrained(tmp_path / "d", dtype=torch.float16)
+    loaded = DSparkDrafter.from_pretrained(tmp_path / "d", target=target)
+    assert torch.equal(loaded.draft_token_ids, ids)
+
+
+def test_draft_vocabulary_errors_are_clear():
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        make_drafter(draft_vocab_size=0)
+    drafter = make_drafter(draft_vocab_size=4)
+    with pytest.raises(ValueError, match="4 distinct"):
+        drafter.set_draft_vocabulary(torch.tensor([1, 2, 2, 3]))
+    with pytest.raises(ValueError, match="target vocabulary"):
+        drafter.set_draft_vocabulary(torch.tensor([1, 2, 3, 96]))
+    with pytest.raises(ValueError, match="whole vocabulary"):
+        make_drafter().set_draft_vocabulary(torch.arange(96))
 
 
 def test_load_errors_are_clear(tmp_path):

@@ -12,7 +12,7 @@ then overlaps the target well enough that drafts are both accepted and rejected.
 from __future__ import annotations
 
 import torch
-from stat_helpers import PROMPT, chi_square_p_value, exact_first_tokens, sample_first_tokens
+from stat_helpers import PROMPT, SUPPORT, chi_square_p_value, exact_first_tokens, sample_first_tokens
 
 from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter
 from vlmspec.engine import SpecEngine
@@ -53,6 +53,50 @@ def test_sampling_with_an_untrained_drafter_follows_the_target_distribution(conf
     joint = exact_first_tokens(confined_target, astronaut, params)
     assert abs(sum(joint.values()) - 1.0) < 1e-4  # the bias really confines the target to SUPPORT
     drafter = untrained_drafter(confined_target, block_size=3)
+    with torch.no_grad():
+        for p in drafter.head.parameters():
+            p.normal_(0.0, 0.5)
+    engine = SpecEngine(confined_target, drafter.proposer())
+    index = {seq: i for i, seq in enumerate(joint)}
+    counts = torch.zeros(len(joint), dtype=torch.float64)
+    accepted = verified = 0
+    runs = 250
+    for seed in range(runs):
+        result = engine.generate(astronaut, PROMPT, max_new_tokens=3, temperature=1.0, seed=seed)
+        counts[index[tuple(result.token_ids)]] += 1
+        accepted += result.stats.accepted
+        verified += result.stats.verified
+    assert 0 < accepted < verified, "both accepted and rejected drafts must occur for the test to bite"
+    expected = runs * torch.tensor(list(joint.values()), dtype=torch.float64)
+    assert chi_square_p_value(counts, expected) > 1e-3
+
+
+def reduced_vocabulary_drafter(target, ids, **overrides) -> DSparkDrafter:
+    drafter = untrained_drafter(target, draft_vocab_size=len(ids), **overrides)
+    drafter.set_draft_vocabulary(torch.tensor(ids))
+    return drafter
+
+
+def test_greedy_with_a_reduced_draft_vocabulary_equals_the_target_alone(confined_target, astronaut):
+    # Three of the four tokens the target can produce, and ids it never produces.
+    drafter = reduced_vocabulary_drafter(confined_target, [*SUPPORT[:3], 11, 12, 13])
+    engine = SpecEngine(confined_target, drafter.proposer())
+    alone = engine.generate(astronaut, PROMPT, max_new_tokens=12, speculative=False)
+    spec = engine.generate(astronaut, PROMPT, max_new_tokens=12)
+    assert spec.token_ids == alone.token_ids
+    assert spec.stats.accepted > 0
+
+
+def test_sampling_with_a_reduced_draft_vocabulary_follows_the_target_distribution(confined_target, astronaut):
+    """As above, with a draft vocabulary that misses one of the target's four tokens (p > 1e-3, 250 runs).
+
+    The drafter can never propose the missing token, so the target's recovered draws
+    must restore its mass; wrong scattering of ``draft_probs`` onto the full vocabulary
+    would shift the joint.
+    """
+    params = SamplingParams(temperature=1.0)
+    joint = exact_first_tokens(confined_target, astronaut, params)
+    drafter = reduced_vocabulary_drafter(confined_target, [*SUPPORT[:3], 11, 12], block_size=3)
     with torch.no_grad():
         for p in drafter.head.parameters():
             p.normal_(0.0, 0.5)

@@ -36,8 +36,9 @@ from vlmspec.training.losses import (
 )
 from vlmspec.training.packing import PackedBatch, PackedDataset, PackedRow, collate, pack_sequence
 from vlmspec.training.prompts import PromptItem, load_prompt_sources, read_prompts, split_prompts
-from vlmspec.training.regenerate import GenerationConfig, RegeneratedSequence, regenerate_item
+from vlmspec.training.regenerate import GenerationConfig, RegeneratedSequence, regenerate_item, regenerate_items
 from vlmspec.training.trainer import TrainConfig, Trainer, TrainSummary, latest_checkpoint
+from vlmspec.training.vocabulary import answer_token_counts, coverage, draft_vocabulary
 
 __all__ = [
     "CacheEstimate",
@@ -77,6 +78,10 @@ __all__ = [
     "read_prompts",
     "reduce_terms",
     "regenerate_item",
+    "regenerate_items",
+    "answer_token_counts",
+    "coverage",
+    "draft_vocabulary",
     "resolve_attention",
     "run_heldout",
     "sample_anchors",

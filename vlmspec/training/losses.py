@@ -62,16 +62,22 @@ class PositionTerms:
 
 
 def position_terms(
-    draft_logits: torch.Tensor,  # [N, G, V] float32, after the sequential head
-    target_logits: torch.Tensor,  # [N, G, V] float32
-    labels: torch.Tensor,  # [N, G] int64
+    draft_logits: torch.Tensor,  # [N, G, V'] float32 over the draft vocabulary, after the sequential head
+    target_logits: torch.Tensor,  # [N, G, V'] float32 over the same columns
+    labels: torch.Tensor,  # [N, G] int64 columns of the labels, -1 for a label outside the draft vocabulary
     confidence_logits: torch.Tensor | None,  # [N, G] float32 pre-sigmoid, or None
 ) -> PositionTerms:
-    """The three terms for every position (see the module docstring)."""
+    """The three terms for every position (see the module docstring).
+
+    With a reduced draft vocabulary the target distribution is taken conditioned on it
+    (the softmax of its columns), the best the drafter can match; a label outside the
+    draft vocabulary adds no CE term (no draft can hit it).
+    """
     log_draft = torch.log_softmax(draft_logits.float(), dim=-1)
     target_probs = torch.softmax(target_logits.float(), dim=-1)
     tv = (log_draft.exp() - target_probs).abs().sum(-1)  # [N, G]
-    ce = -log_draft.gather(-1, labels[..., None]).squeeze(-1)
+    reachable = labels >= 0
+    ce = -log_draft.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1) * reachable
     acceptance = (1 - tv.detach() / 2).clamp(0, 1)
     if confidence_logits is None:
         bce = torch.zeros_like(tv)
@@ -105,11 +111,11 @@ def block_terms(
 
 
 def _chunk_terms(drafter: DSparkDrafter, hidden, prev_tokens, labels, target_hidden) -> tuple[torch.Tensor, ...]:
-    draft_logits = drafter.head.teacher_forced(hidden, drafter.base_logits(hidden), prev_tokens)  # [n, G, V]
+    draft_logits = drafter.head.teacher_forced(hidden, drafter.base_logits(hidden), prev_tokens)  # [n, G, N]
     with torch.no_grad():
-        target_logits = drafter.vocabulary.logits(target_hidden)  # the frozen LM head, [n, G, V]
+        target_logits = drafter.target_logits(target_hidden)  # the frozen LM head's draft rows, [n, G, N]
     confidence = drafter.confidences(hidden, prev_tokens)  # [n, G] or None
-    terms = position_terms(draft_logits, target_logits, labels, confidence)
+    terms = position_terms(draft_logits, target_logits, drafter.draft_columns(labels), confidence)
     return terms.ce, terms.tv, terms.bce, terms.acceptance, terms.top1_match
 
 
@@ -126,6 +132,7 @@ class LossSums:
     top1: torch.Tensor  # [G] argmax matches over valid positions
     count: torch.Tensor  # [G] valid positions
     expected_tau: torch.Tensor  # [] sum over fully valid blocks of 1 + sum_k prod_{i<=k} c*_i
+    greedy_tau: torch.Tensor  # [] the same with the greedy acceptance 1{argmax p_d = argmax p_t}
     full_blocks: torch.Tensor  # [] blocks valid at every position
 
     def combined(self, weights: LossWeights) -> torch.Tensor:  # [] numerator of L
@@ -138,6 +145,7 @@ def reduce_terms(terms: PositionTerms, valid: torch.Tensor, weights: LossWeights
     mask = valid.float()
     full = valid.all(dim=1)  # [N]
     survival = torch.cumprod(terms.acceptance, dim=1).sum(dim=1) + 1  # [N]
+    greedy = torch.cumprod(terms.top1_match.float(), dim=1).sum(dim=1) + 1  # [N] tau of a greedy round
     return LossSums(
         ce=(w * terms.ce).sum(),
         tv=(w * terms.tv).sum(),
@@ -147,6 +155,7 @@ def reduce_terms(terms: PositionTerms, valid: torch.Tensor, weights: LossWeights
         top1=(terms.top1_match.float() * mask).sum(0),
         count=mask.sum(0),
         expected_tau=(survival * full).sum().detach(),
+        greedy_tau=(greedy * full).sum(),
         full_blocks=full.sum().float(),
     )
 

@@ -49,6 +49,9 @@ class DSparkConfig:
     block_size: int = 7  # gamma: tokens drafted per round
     # None: a learned mask vector (see the module docstring); an int: an unused vocabulary id.
     mask_token_id: int | None = None
+    # Reduced draft vocabulary (EAGLE-3's d2t map): the drafter's LM head and sequential head
+    # cover only this many target ids, stored in the checkpoint; None: the whole vocabulary.
+    draft_vocab_size: int | None = None
     # Sequential head: one of HEAD_KINDS, with its low rank r.
     head_kind: str = "vanilla"
     head_rank: int = 256
@@ -86,6 +89,11 @@ class DSparkConfig:
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids) or min(self.target_layer_ids) < 0:
             raise ValueError(
                 f"target_layer_ids must be distinct non-negative layer indices, got {self.target_layer_ids}"
+            )
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.target_vocab_size:
+            raise ValueError(
+                f"draft_vocab_size must be in [1, {self.target_vocab_size}] (the target vocabulary) or None, "
+                f"got {self.draft_vocab_size!r}"
             )
         if self.head_kind not in HEAD_KINDS:
             raise ValueError(f"head_kind must be one of {HEAD_KINDS}, got {self.head_kind!r}")
@@ -170,6 +178,11 @@ class DSparkConfig:
         return cls(**{**defaults, **overrides})
 
     # ------------------------------------------------------------------ io
+    @property
+    def num_draft_tokens(self) -> int:
+        """Columns of the drafter's logits: the reduced draft vocabulary, or the whole target's."""
+        return self.draft_vocab_size or self.target_vocab_size
+
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["target_layer_ids"] = list(self.target_layer_ids)

@@ -9,9 +9,13 @@ Every head has the same two entry points:
 
 * ``teacher_forced(hidden, base_logits, prev_tokens)`` for training, with
   ``prev_tokens = [anchor, ground_truth[:-1]]``;
-* ``sample(hidden, base_logits, anchor, temperature, generator)`` for drafting: draws
-  x_1..x_gamma left to right and returns the float32 corrected logits and the
-  distributions the tokens were drawn from.
+* ``sample(hidden, base_logits, anchor, token_ids, temperature, generator)`` for
+  drafting: draws x_1..x_gamma left to right and returns the float32 corrected logits and
+  the distributions the tokens were drawn from.
+
+Logits live in the *draft vocabulary*: column j is target token ``token_ids[j]`` (all of
+the target's ids, or a reduced set of the most frequent ones). Previous tokens are
+always target ids, so W1 embeds the whole target vocabulary and only W2 is reduced.
 
 Kinds: :class:`NoHead` (DFlash, parallel only), :class:`VanillaMarkovHead`
 (``B = W2(W1[prev])``), :class:`GatedMarkovHead` (``B = W2(sigmoid(W_g[h; W1[prev]]) * W1[prev])``)
@@ -37,9 +41,9 @@ from vlmspec.sampling import sample_from_uniforms
 class HeadSample:
     """What a head's sampling loop returns."""
 
-    tokens: torch.Tensor  # [B, G] int64
-    logits: torch.Tensor  # [B, G, V] float32 corrected logits (before temperature)
-    probs: torch.Tensor | None  # [B, G, V] float32 distributions drawn from; None when greedy (one-hot)
+    tokens: torch.Tensor  # [B, G] int64 target ids
+    logits: torch.Tensor  # [B, G, N] float32 corrected logits over the draft vocabulary (before temperature)
+    probs: torch.Tensor | None  # [B, G, N] float32 distributions drawn from; None when greedy (one-hot)
 
 
 def draw(
@@ -76,17 +80,18 @@ class SequentialHead(nn.Module, abc.ABC):
     def teacher_forced(
         self,
         hidden: torch.Tensor,  # [B, G, d] backbone states
-        base_logits: torch.Tensor,  # [B, G, V] float32
-        prev_tokens: torch.Tensor,  # [B, G] int64: [anchor, x_1 .. x_{G-1}]
-    ) -> torch.Tensor:  # [B, G, V] float32 corrected logits
+        base_logits: torch.Tensor,  # [B, G, N] float32 over the draft vocabulary
+        prev_tokens: torch.Tensor,  # [B, G] int64 target ids: [anchor, x_1 .. x_{G-1}]
+    ) -> torch.Tensor:  # [B, G, N] float32 corrected logits
         """Corrected logits when the previous tokens are known (training)."""
 
     @abc.abstractmethod
     def sample(
         self,
         hidden: torch.Tensor,  # [B, G, d]
-        base_logits: torch.Tensor,  # [B, G, V] float32
+        base_logits: torch.Tensor,  # [B, G, N] float32 over the draft vocabulary
         anchor: torch.Tensor,  # [B] int64 last committed token
+        token_ids: torch.Tensor,  # [N] int64 target id of each draft-vocabulary column
         temperature: float,
         generator: torch.Generator | None,
     ) -> HeadSample:
@@ -99,16 +104,16 @@ class NoHead(SequentialHead):
     def teacher_forced(self, hidden, base_logits, prev_tokens):
         return base_logits
 
-    def sample(self, hidden, base_logits, anchor, temperature, generator):
-        # Position by position (no dependency between them): temporaries stay [B, V].
-        batch, gamma, vocab = base_logits.shape
+    def sample(self, hidden, base_logits, anchor, token_ids, temperature, generator):
+        if temperature == 0:  # no dependency between positions: one argmax for the block
+            return HeadSample(token_ids[base_logits.argmax(dim=-1)], base_logits, None)
+        # Position by position: temporaries stay [B, N].
+        batch, gamma, _ = base_logits.shape
         tokens = anchor.new_empty(batch, gamma)
-        probs = None if temperature == 0 else torch.empty_like(base_logits)
+        probs = torch.empty_like(base_logits)
         for k in range(gamma):
-            tokens[:, k], step_probs = draw(base_logits[:, k], temperature, generator)
-            if probs is not None:
-                probs[:, k] = step_probs
-        return HeadSample(tokens, base_logits, probs)
+            tokens[:, k], probs[:, k] = draw(base_logits[:, k], temperature, generator)
+        return HeadSample(token_ids[tokens], base_logits, probs)
 
 
 class LowRankHead(SequentialHead):
@@ -123,8 +128,8 @@ class LowRankHead(SequentialHead):
     def __init__(self, config: DSparkConfig) -> None:
         super().__init__()
         self.token_dim = config.head_rank
-        self.embed = nn.Embedding(config.target_vocab_size, config.head_rank)  # W1
-        self.out = nn.Linear(config.head_rank, config.target_vocab_size, bias=False)  # W2
+        self.embed = nn.Embedding(config.target_vocab_size, config.head_rank)  # W1, over target ids
+        self.out = nn.Linear(config.head_rank, config.num_draft_tokens, bias=False)  # W2, over the draft vocabulary
 
     def token_features(self, tokens):
         return self.embed(tokens)
@@ -150,16 +155,17 @@ class LowRankHead(SequentialHead):
             codes.append(z)
         return base_logits + self.out(torch.stack(codes, dim=1)).float()
 
-    def sample(self, hidden, base_logits, anchor, temperature, generator):
-        batch, gamma, vocab = base_logits.shape
+    def sample(self, hidden, base_logits, anchor, token_ids, temperature, generator):
+        batch, gamma, _ = base_logits.shape
         tokens = anchor.new_empty(batch, gamma)
-        logits = torch.empty_like(base_logits)  # filled in place: no per-step [B, V] allocations
+        logits = torch.empty_like(base_logits)  # filled in place: no per-step [B, N] allocations
         probs = None if temperature == 0 else torch.empty_like(base_logits)
         token, state = anchor, self.initial_state(hidden)
         for k in range(gamma):
             z, state = self.code(state, hidden[:, k], self.embed(token))
             torch.add(base_logits[:, k], self.out(z).float(), out=logits[:, k])
-            token, step_probs = draw(logits[:, k], temperature, generator)
+            column, step_probs = draw(logits[:, k], temperature, generator)
+            token = token_ids[column]  # the next position's W1 reads a target id
             tokens[:, k] = token
             if probs is not None:
                 probs[:, k] = step_probs

@@ -6,6 +6,13 @@ checkpoint hold the drafter alone and ``drafter.to(...)`` never touches the targ
 A checkpoint is re-tied to a target at load; a target whose hidden size or vocabulary
 differ is refused.
 
+Draft vocabulary. With ``config.draft_vocab_size = N`` the drafter's logits cover only N
+target ids (``draft_token_ids``, the most frequent ones in the training data, stored in
+the checkpoint; EAGLE-3's d2t map): the LM head GEMM shrinks from V to N rows and so does
+the sequential head's W2. Drafted tokens are always target ids, and ``draft()`` scatters
+its distributions back onto the whole vocabulary (zero outside the draft set), so
+rejection sampling stays exactly lossless.
+
 The target is duck-typed (drafters never import ``vlmspec.target``): it must expose
 ``input_embeddings`` (nn.Embedding), ``output_head`` (nn.Linear [V, d]),
 ``hidden_size``, ``vocab_size``, ``num_layers``, ``tokenizer``, ``dtype``, ``device``
@@ -43,17 +50,14 @@ class TiedVocabulary:
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:  # [...] int64 -> [..., d_target]
         return self.embedding(tokens)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., d_target] -> [..., V] float32
-        return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
-
 
 @dataclass
 class DraftOutput:
     """Teacher-forced outputs for a batch of blocks (training and tests)."""
 
     hidden: torch.Tensor  # [B, A, G, d] backbone states
-    base_logits: torch.Tensor  # [B, A, G, V] float32, LM head only
-    logits: torch.Tensor  # [B, A, G, V] float32, after the sequential head
+    base_logits: torch.Tensor  # [B, A, G, N] float32 over the draft vocabulary, LM head only
+    logits: torch.Tensor  # [B, A, G, N] float32, after the sequential head
     confidence_logits: torch.Tensor | None  # [B, A, G] float32 pre-sigmoid, None without a confidence head
 
 
@@ -61,9 +65,9 @@ class DraftOutput:
 class DraftSample:
     """One drafted block per row."""
 
-    tokens: torch.Tensor  # [B, G] int64
-    logits: torch.Tensor  # [B, G, V] float32 corrected logits (before temperature)
-    probs: torch.Tensor | None  # [B, G, V] float32 distributions drawn from; None when greedy
+    tokens: torch.Tensor  # [B, G] int64 target ids
+    logits: torch.Tensor  # [B, G, N] float32 corrected logits over the draft vocabulary (before temperature)
+    probs: torch.Tensor | None  # [B, G, V] float32 distributions drawn from, over the whole vocabulary; None when greedy
     confidences: torch.Tensor | None  # [B, G] float32 conditional survival probabilities
 
 
@@ -80,6 +84,11 @@ class DSparkDrafter(nn.Module):
         self.head_proj = nn.Identity() if d == d_target else nn.Linear(d, d_target, bias=False)
         if config.mask_token_id is None:
             self.mask_embedding = nn.Parameter(torch.zeros(d_target))
+        # Target id of each logit column. A reduced vocabulary is part of the checkpoint; the
+        # whole vocabulary is the identity and is not stored.
+        columns = torch.arange(config.num_draft_tokens)
+        self.register_buffer("draft_token_ids", columns, persistent=config.draft_vocab_size is not None)
+        self._head_rows: tuple | None = None  # cached (key, W[ids], b[ids], column of every id), see _draft_rows
         self.backbone = DSparkBackbone(config)
         self.head = build_head(config)
         self.confidence = (
@@ -167,6 +176,23 @@ class DSparkDrafter(nn.Module):
         drafter.load_state_dict(state)
         return drafter.to(device=target.device, dtype=target.dtype)
 
+    @torch.no_grad()
+    def set_draft_vocabulary(self, token_ids: torch.Tensor) -> None:
+        """Use ``token_ids`` ([N] distinct target ids, N = ``config.draft_vocab_size``) as the draft vocabulary.
+
+        Typically the N most frequent tokens of the target's own answers
+        (``vlmspec.training.draft_vocabulary``).
+        """
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        expected = self.config.num_draft_tokens
+        if self.config.draft_vocab_size is None:
+            raise ValueError("this drafter drafts over the whole vocabulary; build it with draft_vocab_size=N first")
+        if token_ids.shape[0] != expected or token_ids.unique().shape[0] != expected:
+            raise ValueError(f"need {expected} distinct token ids (config.draft_vocab_size), got {token_ids.shape[0]}")
+        if int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.target_vocab_size:
+            raise ValueError(f"draft token ids must lie in [0, {self.config.target_vocab_size}), the target vocabulary")
+        self.draft_token_ids.copy_(token_ids.to(self.draft_token_ids.device))
+
     def proposer(self) -> "DSparkProposer":
         """This drafter behind the engine's Proposer protocol."""
         from vlmspec.drafters.dspark.proposer import DSparkProposer
@@ -214,9 +240,43 @@ class DSparkDrafter(nn.Module):
         hidden = self.backbone(block, positions, context, mask)
         return hidden.view(batch, anchors_per_row, self.block_size, -1)
 
-    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., V] float32
-        """The target's LM head over backbone states: applied once for all positions."""
-        return self.vocabulary.logits(self.head_proj(hidden))
+    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., N] float32
+        """The target's LM head rows of the draft vocabulary over backbone states: once for all positions."""
+        return self.target_logits(self.head_proj(hidden))
+
+    def target_logits(self, target_hidden: torch.Tensor) -> torch.Tensor:  # [..., d_target] -> [..., N] float32
+        """The frozen LM head over the draft vocabulary (a softmax of these is the target's
+        distribution conditioned on the draft vocabulary)."""
+        weight, bias, _ = self._draft_rows()
+        return torch.nn.functional.linear(target_hidden.to(weight.dtype), weight, bias).float()
+
+    def draft_columns(self, tokens: torch.Tensor) -> torch.Tensor:  # [...] target ids -> [...] int64, -1 outside
+        """Draft-vocabulary column of each target id (-1 for ids outside the draft vocabulary)."""
+        return self._draft_rows()[2][tokens]
+
+    def scatter_to_target(self, probs: torch.Tensor) -> torch.Tensor:  # [..., N] -> [..., V]
+        """Draft-vocabulary distributions on the whole target vocabulary (zero outside the draft set)."""
+        if self.config.draft_vocab_size is None:
+            return probs
+        full = probs.new_zeros(*probs.shape[:-1], self.config.target_vocab_size)
+        return full.index_copy_(-1, self.draft_token_ids, probs)
+
+    def _draft_rows(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """LM head rows [N, d_target] and bias [N] (or None) of the draft vocabulary, and the column of
+        every target id [V]; cached until the ids or the target's weights change."""
+        head, ids = self.vocabulary.lm_head, self.draft_token_ids
+        weight, bias = head.weight, head.bias
+        # Inference-mode tensors cannot enter autograd: rows cut while drafting are cut again for training.
+        key = (ids.data_ptr(), ids._version, weight.data_ptr(), weight.dtype, weight.device,
+               torch.is_inference_mode_enabled())  # fmt: skip
+        if self._head_rows is None or self._head_rows[0] != key:
+            full = self.config.draft_vocab_size is None
+            rows = weight if full else weight[ids]
+            rows_bias = None if bias is None else (bias if full else bias[ids])
+            columns = torch.full((self.config.target_vocab_size,), -1, dtype=torch.long, device=ids.device)
+            columns[ids] = torch.arange(ids.shape[0], device=ids.device)
+            self._head_rows = (key, rows.detach(), None if rows_bias is None else rows_bias.detach(), columns)
+        return self._head_rows[1:]
 
     def confidences(
         self,
@@ -274,13 +334,13 @@ class DSparkDrafter(nn.Module):
         """Draft one block per row: one backbone pass, one LM head GEMM, then the head's loop."""
         hidden = self.block_hidden(anchors[:, None], anchor_positions[:, None], context)[:, 0]  # [B, G, d]
         base = self.base_logits(hidden)  # [B, G, V]
-        sample: HeadSample = self.head.sample(hidden, base, anchors, temperature, generator)
+        sample: HeadSample = self.head.sample(hidden, base, anchors, self.draft_token_ids, temperature, generator)
         prev = torch.cat((anchors[:, None], sample.tokens[:, :-1]), dim=1)  # [B, G]
         confidence = self.confidences(hidden, prev)
         return DraftSample(
             tokens=sample.tokens,
             logits=sample.logits,
-            probs=sample.probs,
+            probs=None if sample.probs is None else self.scatter_to_target(sample.probs),
             confidences=None if confidence is None else torch.sigmoid(confidence),
         )
 
