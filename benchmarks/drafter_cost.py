@@ -15,7 +15,10 @@ interleaved), and reports drafter round / target step at batch 1.
 Sizes (defaults): a random-init Qwen2.5-VL shaped target, hidden 512, 8 layers, the real
 Qwen vocabulary (151,669 rows), context ~300 tokens; the drafter as
 ``DSparkConfig.for_target`` makes it (hidden 512, 2 layers, 5 hooked layers, rank 256).
-Random weights: the numbers are costs, not acceptance. Each cell is the median over
+``--target reference`` times the bundled real-weights target instead, and
+``--draft-vocab N`` a reduced draft vocabulary of N ids (the reference drafter's shape:
+``--target reference --rank 64 --draft-vocab 8192 --gammas 7``). Drafter weights are
+random: the numbers are costs, not acceptance. Each cell is the median over
 ``--repeats`` rounds after one warm-up; temperature 1 (the sampling path: a softmax and
 an inverse-CDF draw per step) unless ``--temperature 0``.
 
@@ -57,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
     parser.add_argument("--heads", default=",".join(HEAD_KINDS), help=f"head kinds among {HEAD_KINDS}")
     parser.add_argument("--rank", type=int, default=256, help="sequential head rank r")
+    parser.add_argument("--target", default=None, help="'reference' for the bundled real-weights target (default: random)")
+    parser.add_argument("--draft-vocab", type=int, default=None, help="reduced draft vocabulary size (default: all)")
     parser.add_argument("--hidden", type=int, default=512, help="target (and drafter) hidden size")
     parser.add_argument("--layers", type=int, default=8, help="target decoder layers")
     parser.add_argument("--context", type=int, default=300, help="context tokens already in the caches")
@@ -71,7 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_target(args: argparse.Namespace):
-    from vlmspec.target import QwenVLTarget
+    from vlmspec.target import QwenVLTarget, load_target
+
+    if args.target:
+        return load_target(args.target)
     from vlmspec.target.tiny import qwen_tokenizer, tiny_model, tiny_processor
 
     model = tiny_model("qwen2_5_vl", seed=args.seed, hidden_size=args.hidden, num_layers=args.layers)
@@ -79,11 +87,13 @@ def build_target(args: argparse.Namespace):
     return QwenVLTarget(model, tiny_processor("qwen2_5_vl", qwen_tokenizer()), name=name)
 
 
-def build_drafter(target, head_kind: str, gamma: int, rank: int) -> DSparkDrafter:
-    config = DSparkConfig.for_target(
-        target, block_size=gamma, head_kind=head_kind, head_rank=rank, confidence_with_markov=head_kind != "none"
-    )
-    return DSparkDrafter.from_target(target, config).eval()
+def build_drafter(target, head_kind: str, gamma: int, rank: int, draft_vocab: int | None) -> DSparkDrafter:
+    config = DSparkConfig.for_target(target, block_size=gamma, head_kind=head_kind, head_rank=rank,
+                                     confidence_with_markov=head_kind != "none", draft_vocab_size=draft_vocab)  # fmt: skip
+    drafter = DSparkDrafter.from_target(target, config).eval()
+    if draft_vocab:  # the cost does not depend on which ids: take the first ones
+        drafter.set_draft_vocabulary(torch.arange(draft_vocab))
+    return drafter
 
 
 def _tick() -> float:
@@ -113,7 +123,9 @@ def time_round(
     t2 = _tick()
     base = drafter.base_logits(hidden)
     t3 = _tick()
-    sample = drafter.head.sample(hidden, base, anchors, temperature, generator)
+    sample = drafter.head.sample(hidden, base, anchors, drafter.draft_token_ids, temperature, generator)
+    if sample.probs is not None:
+        drafter.scatter_to_target(sample.probs)
     t4 = _tick()
     prev = torch.cat((anchors[:, None], sample.tokens[:, :-1]), dim=1)
     confidence = drafter.confidences(hidden, prev)
@@ -138,7 +150,7 @@ def measure(target, args: argparse.Namespace) -> tuple[list[dict], dict]:
     target_state = open_target_request(target, args)
     width = len(target_state.feature_layers) * target.hidden_size
     for gamma in [int(g) for g in args.gammas.split(",")]:
-        drafters = {kind: build_drafter(target, kind, gamma, args.rank) for kind in heads}
+        drafters = {kind: build_drafter(target, kind, gamma, args.rank, args.draft_vocab) for kind in heads}
         for batch in [int(b) for b in args.batches.split(",")]:
             caches = {}
             for kind, drafter in drafters.items():
@@ -217,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     env = environment_info()
     header = (
         f"# DSpark drafter cost\n\nTarget {target.name} (vocabulary {target.vocab_size}), context "
-        f"{target_times['context']} tokens, drafter rank {args.rank}, {len(layers)} hooked layers {layers}, "
+        f"{target_times['context']} tokens, drafter rank {args.rank}, draft vocabulary "
+        f"{args.draft_vocab or target.vocab_size}, {len(layers)} hooked layers {layers}, "
         f"temperature {args.temperature}, {args.threads} thread(s), median of {args.repeats} rounds. "
         f"Machine: {env['processor']}, {env['cpu_count']} CPUs, torch {env['torch']}.\n"
     )

@@ -364,7 +364,8 @@ class Trainer:
         for batch in self.eval_loader:
             total.add(_detached(LossSums(**self.module(batch))), self.config.loss)
         self.module.train()
-        record = {"step": self.state.step, "split": "eval", **total.summary(self.accelerator)}
+        record = {"step": self.state.step, "split": "eval", "train_blocks": self.state.blocks,
+                  "train_seconds": self.state.train_seconds, **total.summary(self.accelerator)}  # fmt: skip
         self._write_metrics(record)
         return record
 
@@ -474,6 +475,7 @@ class _Window:
             "tv": float(s["tv"]) / weight,
             "confidence": float(s["bce"]) / weight,
             "expected_tau": float(s["expected_tau"]) / max(float(s["full_blocks"]), 1.0),
+            "greedy_tau": float(s["greedy_tau"]) / max(float(s["full_blocks"]), 1.0),
             "acceptance_by_position": (s["acceptance"] / count).tolist(),
             "top1_by_position": (s["top1"] / count).tolist(),
             "blocks": int(s["count"][0]),
