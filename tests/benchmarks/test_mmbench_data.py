@@ -8,17 +8,14 @@ import pytest
 from PIL import Image
 
 from benchmarks.make_mmbench_fixture import FIXTURE_ROWS, encode_image_base64, fixture_rows, write_mmbench_tsv
-from benchmarks.mmbench_spec import (
-    ANSWER_INSTRUCTION,
-    MMBenchQuestion,
+from benchmarks.spec.choices import extract_choice
+from benchmarks.spec.mmbench import ANSWER_INSTRUCTION, MMBenchQuestion, build_mmbench_prompt, read_mmbench_tsv
+from benchmarks.spec.runs import parse_key_values
+from benchmarks.spec.workloads import (
     Task,
-    build_mmbench_prompt,
-    extract_choice,
     easy_vqa_tasks,
     mmbench_tasks,
-    parse_key_values,
     prompt_set_tasks,
-    read_mmbench_tsv,
     read_prompt_set,
     score,
     skimage_open_tasks,

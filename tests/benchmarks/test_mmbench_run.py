@@ -9,17 +9,13 @@ import pytest
 import torch
 from PIL import Image
 
-from benchmarks.mmbench_spec import (
-    Benchmark,
-    Peer,
-    Settings,
-    Task,
-    main,
-    make_scheduler,
-    render_markdown,
-    summarize_results,
-    verdict,
-)
+from benchmarks.mmbench_spec import main
+from benchmarks.spec.aggregate import summarize_results
+from benchmarks.spec.loop import Benchmark
+from benchmarks.spec.peers import Peer
+from benchmarks.spec.report import render_markdown, verdict
+from benchmarks.spec.runs import Settings, make_scheduler
+from benchmarks.spec.workloads import Task
 from vlmspec.types import GenerationResult, SpecStats
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
