@@ -39,11 +39,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file (python benchmarks/x.py): make the package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from vlmspec.data.mmbench import RowProblem
 from vlmspec.scheduling.factory import SCHEDULERS
 
 from benchmarks.common import log, prepare_out_dir
 from benchmarks.spec.loop import Benchmark
-from benchmarks.spec.mmbench import RowProblem
 from benchmarks.spec.peers import build_peers
 from benchmarks.spec.report import build_report, render_summary, write_report
 from benchmarks.spec.runs import Settings, load_engine

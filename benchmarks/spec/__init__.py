@@ -1,8 +1,8 @@
 """The speculative-decoding benchmark behind ``python -m benchmarks.mmbench_spec``, split along its seams.
 
-* :mod:`~benchmarks.spec.mmbench` - MMBench TSV rows as questions (reading, image references, the prompt);
 * :mod:`~benchmarks.spec.choices` - the option letter a free-form answer chose;
-* :mod:`~benchmarks.spec.workloads` - :class:`Task` lists from MMBench, prompt sets, easy-vqa and
+* :mod:`~benchmarks.spec.workloads` - :class:`Task` lists from MMBench (read by
+  :mod:`vlmspec.data.mmbench`, the reader training uses too), prompt sets, easy-vqa and
   scikit-image photographs, and scoring of answers;
 * :mod:`~benchmarks.spec.runs` - vlmspec's side: the engine, generation settings, one timed run, one
   question's results;

@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from vlmspec.data.mmbench import RowProblem
+
 from benchmarks.common import (
     environment_info,
     markdown_table,
@@ -19,7 +21,6 @@ from benchmarks.common import (
 )
 from benchmarks.spec.aggregate import TIME_PARTS, question_record, summarize_results
 from benchmarks.spec.loop import Benchmark, describe_difference
-from benchmarks.spec.mmbench import RowProblem
 from benchmarks.spec.peers import Peer
 from benchmarks.spec.runs import QuestionResult, Settings, parse_key_values
 

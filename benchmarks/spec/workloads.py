@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vlmspec.data.mmbench import RowProblem, build_mmbench_prompt, read_mmbench_tsv
+
 from benchmarks.common import shrink_image, skimage_image
 from benchmarks.spec.choices import extract_choice, normalize_words
-from benchmarks.spec.mmbench import RowProblem, build_mmbench_prompt, read_mmbench_tsv
 
 
 @dataclass
@@ -47,7 +48,7 @@ def mmbench_tasks(path: str | Path, limit: int | None, max_side: int | None) -> 
             qid=f"mmbench-{q.index}",
             group=q.category or "uncategorized",
             prompt=build_mmbench_prompt(q),
-            images=(shrink_image(q.image, max_side),),
+            images=(shrink_image(q.pil_image(), max_side),),
             answer=q.answer,
             options=q.options,
             scoring="letter" if q.answer else "none",

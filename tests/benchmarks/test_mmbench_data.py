@@ -9,7 +9,6 @@ from PIL import Image
 
 from benchmarks.make_mmbench_fixture import FIXTURE_ROWS, encode_image_base64, fixture_rows, write_mmbench_tsv
 from benchmarks.spec.choices import extract_choice
-from benchmarks.spec.mmbench import ANSWER_INSTRUCTION, MMBenchQuestion, build_mmbench_prompt, read_mmbench_tsv
 from benchmarks.spec.runs import parse_key_values
 from benchmarks.spec.workloads import (
     Task,
@@ -20,6 +19,7 @@ from benchmarks.spec.workloads import (
     score,
     skimage_open_tasks,
 )
+from vlmspec.data.mmbench import ANSWER_INSTRUCTION, MMBenchQuestion, build_mmbench_prompt, read_mmbench_tsv
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 MMBENCH_MINI = FIXTURES / "mmbench_mini.tsv"
@@ -52,7 +52,7 @@ def test_parses_hint_and_no_hint_four_and_five_options(tmp_path, png_b64):
     assert first.hint == "Look at the color." and list(first.options) == ["A", "B", "C", "D"]
     assert second.hint is None and list(second.options) == ["A", "B", "C", "D", "E"] and second.answer == "E"
     assert third.hint is None and third.options == {"A": "red", "B": "green"}
-    assert first.image.size == (32, 24) and first.image.mode == "RGB"
+    assert first.pil_image().size == (32, 24) and first.pil_image().mode == "RGB"
     assert first.category == "attribute_recognition" and first.split == "dev"
 
 
@@ -95,7 +95,7 @@ def test_image_cell_may_refer_to_another_row(tmp_path, png_b64):
     path = write_mmbench_tsv([_row(100, png_b64), _row(101, "100"), _row(102, "999")], tmp_path / "ref.tsv")
     parsed = read_mmbench_tsv(path)
     assert [q.index for q in parsed.questions] == ["100", "101"]
-    assert parsed.questions[1].image.size == (32, 24)
+    assert parsed.questions[1].pil_image().size == (32, 24)
     assert parsed.problems[0].index == "102" and "not valid base64" in parsed.problems[0].message
 
 

@@ -51,6 +51,13 @@ def test_mmbench_tsv(target):
     assert inputs.num_images == 1
 
 
+def test_an_unusable_mmbench_row_stops_with_its_line_and_reason(tmp_path):
+    path = tmp_path / "bad.tsv"
+    path.write_text("index\tquestion\tA\tB\timage\n1\tWhich?\tred\tblue\tnot base64!\n")
+    with pytest.raises(ValueError, match="bad.tsv:2: row index 1: the image cell is not valid base64"):
+        read_prompts(path)
+
+
 def test_regeneration_with_an_image_and_a_second_turn(make_target, tmp_path, astronaut):
     target = make_target("qwen2_vl")
     astronaut.resize((64, 64)).save(tmp_path / "a.png")

@@ -12,18 +12,15 @@ so the drafter learns the target's own distribution. Every source becomes a list
   messages with ``{"type": "image"}`` slots in the content lists. Everything after the
   last user message is dropped (it is regenerated).
 * MMBench ``.tsv`` (columns index, question, hint, A, B, C, D[, E], answer, category, ...,
-  image as base64): the standard multiple-choice prompt over the row's image.
+  image as base64): the standard multiple-choice prompt over the row's image, read by
+  :mod:`vlmspec.data.mmbench` (the reader the benchmark uses too).
 
 Relative image paths are resolved against the directory of the JSONL file.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import csv
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,11 +28,9 @@ from typing import Any
 
 import torch
 
-ImageLike = Any  # a path, PIL image, numpy array or encoded bytes (vlmspec.target.inputs)
+from vlmspec.data.mmbench import MMBenchQuestion, build_mmbench_prompt, read_mmbench_tsv
 
-MMBENCH_COLUMNS = ("index", "question", "A", "B", "image")
-MMBENCH_LETTERS = "ABCDEFGHI"
-MMBENCH_INSTRUCTION = "Answer with the option's letter from the given choices directly."
+ImageLike = Any  # a path, PIL image, numpy array or encoded bytes (vlmspec.target.inputs)
 
 
 @dataclass
@@ -58,7 +53,7 @@ def read_prompts(path: str | Path) -> list[PromptItem]:
     if not path.is_file():
         raise ValueError(f"prompt file {str(path)!r} does not exist; pass a .jsonl prompt set or an MMBench .tsv")
     if path.suffix.lower() == ".tsv":
-        return read_mmbench_tsv(path)
+        return read_mmbench_prompts(path)
     if path.suffix.lower() in (".jsonl", ".json"):
         return read_jsonl(path)
     raise ValueError(
@@ -114,58 +109,26 @@ def _resolve_image(image: Any, base: Path, where: str) -> ImageLike:
     return str(path)
 
 
-def read_mmbench_tsv(path: str | Path) -> list[PromptItem]:
-    """MMBench rows as single-image multiple-choice prompts; images stay base64-decoded bytes until used."""
+def read_mmbench_prompts(path: str | Path) -> list[PromptItem]:
+    """MMBench rows as single-image multiple-choice prompts (:mod:`vlmspec.data.mmbench` reads them).
+
+    Images stay encoded bytes until the target processes them. A row the reader cannot
+    use stops the run with its line and reason: a prompt source should be clean.
+    """
     path = Path(path)
-    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # base64 images exceed csv's default cell cap
-    with path.open(encoding="utf-8-sig", newline="") as handle:
-        reader = csv.DictReader(handle, delimiter="\t")
-        missing = [c for c in MMBENCH_COLUMNS if c not in (reader.fieldnames or [])]
-        if missing:
-            raise ValueError(
-                f"{path} lacks the MMBench column(s) {', '.join(missing)}; an MMBench TSV has tab-separated columns "
-                "index, question, hint, A, B, C, D[, E], answer, category, l2-category, split, image"
-            )
-        rows = list(reader)
-    images = {_cell(row, "index"): _cell(row, "image") for row in rows}
-    items = []
-    for row in rows:
-        index = _cell(row, "index")
-        image = _cell(row, "image")
-        if image is not None and len(image) <= 64 and images.get(image):  # a reference to another row's image
-            image = images[image]
-        if not index or not _cell(row, "question") or not image:
-            raise ValueError(f"{path}: row index {index!r} lacks an index, a question or an image")
-        prompt = mmbench_prompt(row)
-        content = [{"type": "image"}, {"type": "text", "text": prompt}]
-        image_bytes = _decode_base64(image, path, index)
-        items.append(PromptItem(f"{path.stem}:{index}", [{"role": "user", "content": content}], [image_bytes]))
-    if not items:
+    parsed = read_mmbench_tsv(path)
+    if parsed.problems:
+        first, more = parsed.problems[0], len(parsed.problems) - 1
+        also = f" ({more} more row(s) have problems)" if more else ""
+        raise ValueError(f"{path}:{first.line}: {first.message}{also}")
+    if not parsed.questions:
         raise ValueError(f"{path} holds no rows")
-    return items
+    return [_mmbench_item(path.stem, question) for question in parsed.questions]
 
 
-def mmbench_prompt(row: dict[str, str | None]) -> str:
-    """Hint, question, lettered options and the answer instruction, one per line."""
-    lines = []
-    if hint := _cell(row, "hint"):
-        lines.append(f"Hint: {hint}")
-    lines += [f"Question: {_cell(row, 'question')}", "Options:"]
-    lines += [f"{letter}. {text}" for letter in MMBENCH_LETTERS if (text := _cell(row, letter))]
-    lines.append(MMBENCH_INSTRUCTION)
-    return "\n".join(lines)
-
-
-def _cell(row: dict[str, str | None], column: str) -> str | None:
-    value = (row.get(column) or "").strip()
-    return None if value.lower() in ("", "nan") else value
-
-
-def _decode_base64(text: str, path: Path, index: str | None) -> bytes:
-    try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as err:
-        raise ValueError(f"{path}: row index {index}: the image cell is not valid base64 ({err})") from None
+def _mmbench_item(stem: str, question: MMBenchQuestion) -> PromptItem:
+    content = [{"type": "image"}, {"type": "text", "text": build_mmbench_prompt(question)}]
+    return PromptItem(f"{stem}:{question.index}", [{"role": "user", "content": content}], [question.image])
 
 
 def load_prompt_sources(paths: Sequence[str | Path]) -> list[PromptItem]:
