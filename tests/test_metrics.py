@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from vlmspec.metrics import (
-    acceptance_by_position,
     brier_score,
     conditional_labels,
     expected_calibration_error,
@@ -103,7 +102,7 @@ def test_prefix_and_conditional_labels() -> None:
         prefix_labels([2], 3, [1])
 
 
-def test_position_metrics_and_acceptance() -> None:
+def test_position_metrics() -> None:
     confidences = torch.tensor([[0.9, 0.5], [0.9, 0.5], [0.1, 0.5], [0.1, 0.5]])
     metrics = position_metrics(confidences, [2, 1, 0, 0])
     assert metrics.count == [4, 4]
@@ -111,4 +110,3 @@ def test_position_metrics_and_acceptance() -> None:
     assert metrics.ece[0] == pytest.approx(0.1)  # 0.9 vs 1.0 and 0.1 vs 0.0
     assert metrics.ece[1] == pytest.approx((2 * abs(0.45 - 0.5) + 2 * 0.05) / 4)
     assert set(metrics.as_dict()) == {"ece", "brier", "auc", "conditional_auc", "count"}
-    assert acceptance_by_position([2, 1, 0], [2, 2, 1], 2) == pytest.approx([2 / 3, 0.5])

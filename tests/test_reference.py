@@ -20,7 +20,7 @@ from vlmspec import reference
 from vlmspec.drafters.prompt_lookup import PromptLookup
 from vlmspec.engine import SpecEngine
 from vlmspec.target import QwenVLTarget
-from vlmspec.types import pooled_tau
+from vlmspec.types import SpecStats
 
 needs_smollm2 = pytest.mark.skipif(
     importlib.util.find_spec("gguf") is None or importlib.util.find_spec(reference.GGUF_MODULE) is None,
@@ -223,7 +223,7 @@ def test_committed_drafter_is_lossless_and_accepts(target, name):
         spec = engine.generate(image, prompt, max_new_tokens=48)
         assert spec.token_ids == alone.token_ids, (name, prompt, spec.text, alone.text)
         stats.append(spec.stats)
-    tau = pooled_tau(stats)
+    tau = SpecStats.merge(stats).tau
     assert tau >= DRAFTER_TAU_FLOOR[name], (name, tau)
 
 

@@ -115,12 +115,12 @@ def _run_demo(args) -> int:
 
 def _overall(pairs) -> str:
     """Both requests together: tokens per second of each way, and tau over every round."""
-    from vlmspec.types import pooled_tau
+    from vlmspec.types import SpecStats
 
     tokens = sum(spec.stats.new_tokens for _, spec in pairs)
     spec_s = sum(spec.stats.total_s for _, spec in pairs)
     alone_s = sum(alone.stats.total_s for alone, _ in pairs)
-    tau = pooled_tau([spec.stats for _, spec in pairs])
+    tau = SpecStats.merge(spec.stats for _, spec in pairs).tau
     return (f"overall: {tokens} tokens   tau: {tau:.2f}   speculative {tokens / spec_s:.1f} tok/s vs target alone "
             f"{tokens / alone_s:.1f} tok/s   speedup: {alone_s / spec_s:.2f}x")  # fmt: skip
 

@@ -243,13 +243,3 @@ def position_metrics(
         out.conditional_auc.append(roc_auc(conf[reached, k], cond_labels[reached, k]))
         out.count.append(int(seen.sum()))
     return out
-
-
-def acceptance_by_position(num_accepted: ArrayLike, num_verified: ArrayLike, gamma: int) -> list[float]:
-    """Per position: accepted / verified over the rounds in which it was verified (NaN if never)."""
-    labels, _ = prefix_labels(num_accepted, gamma, num_verified)
-    verified = _lengths(num_verified, labels.shape[0], gamma, "num_verified")
-    was_verified = torch.arange(gamma).unsqueeze(0) < verified.unsqueeze(1)  # [N, gamma]
-    counts = was_verified.sum(0).to(torch.float64)
-    hits = (labels & was_verified).sum(0).to(torch.float64)
-    return torch.where(counts > 0, hits / counts.clamp(min=1), torch.nan).tolist()

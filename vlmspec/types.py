@@ -12,7 +12,7 @@ Distributions are named ``draft_probs`` and ``target_probs``; both are float32.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -98,10 +98,8 @@ class VerifyResult:
         return draft_tokens[row, :n].tolist() + [int(self.next_tokens[row])]
 
 
-def pooled_tau(stats: Sequence[SpecStats]) -> float:
-    """tau over every round of several generations (not the mean of their taus)."""
-    rounds = sum(s.rounds for s in stats)
-    return (sum(s.accepted for s in stats) + rounds) / rounds if rounds else 0.0
+# SpecStats fields that several generations pool by summing (see SpecStats.merge).
+_SUMMED_STATS = ("rounds", "new_tokens", "accepted", "drafted", "verified", "prefill_s", "draft_s", "verify_s", "total_s")
 
 
 @dataclass
@@ -123,13 +121,32 @@ class SpecStats:
     verify_s: float = 0.0
     total_s: float = 0.0
 
+    @classmethod
+    def merge(cls, stats: Iterable[SpecStats]) -> SpecStats:
+        """Pooled statistics of several generations: the one definition of pooled tau and acceptance.
+
+        Counts and times are summed, per-position counts position by position, and the
+        per-round lengths are concatenated. So the result's ``tau`` is tau over every
+        round of all the generations (not the mean of their taus), and its
+        ``acceptance_by_position`` pools, for each position, the rounds that verified it.
+        """
+        merged = cls()
+        for s in stats:
+            for name in _SUMMED_STATS:
+                setattr(merged, name, getattr(merged, name) + getattr(s, name))
+            _add_counts(merged.accepted_by_position, s.accepted_by_position)
+            _add_counts(merged.verified_by_position, s.verified_by_position)
+            merged.verified_lengths.extend(s.verified_lengths)
+        return merged
+
     @property
     def tau(self) -> float:
-        """Mean tokens committed per round (accepted drafts + the recovered/bonus token)."""
-        return pooled_tau([self])
+        """Mean tokens committed per round (accepted drafts + the recovered/bonus token); 0 without rounds."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
 
     @property
     def acceptance_by_position(self) -> list[float]:
+        """Per draft position: accepted / verified over the rounds that verified it (NaN if none did)."""
         return [a / v if v else float("nan") for a, v in zip(self.accepted_by_position, self.verified_by_position)]
 
     @property
@@ -146,19 +163,14 @@ class SpecStats:
         return sum(self.verified_lengths) / len(self.verified_lengths) if self.verified_lengths else 0.0
 
     def record_round(self, drafted: int, verified: int, accepted: int) -> None:
+        """Count one round: ``drafted`` proposed, the first ``verified`` checked, the first ``accepted`` kept."""
         self.rounds += 1
         self.drafted += drafted
         self.verified += verified
         self.accepted += accepted
         self.verified_lengths.append(verified)
-        grow = verified - len(self.verified_by_position)
-        if grow > 0:
-            self.verified_by_position.extend([0] * grow)
-            self.accepted_by_position.extend([0] * grow)
-        for k in range(verified):
-            self.verified_by_position[k] += 1
-            if k < accepted:
-                self.accepted_by_position[k] += 1
+        _add_counts(self.verified_by_position, [1] * verified)
+        _add_counts(self.accepted_by_position, [1] * accepted + [0] * (verified - accepted))  # same length
 
     def as_dict(self) -> dict:
         return {
@@ -178,6 +190,13 @@ class SpecStats:
             "total_s": self.total_s,
             "tokens_per_s": self.tokens_per_s,
         }
+
+
+def _add_counts(total: list[int], counts: Sequence[int]) -> None:
+    """``total[k] += counts[k]`` for every k, growing ``total`` with zeros as needed."""
+    total.extend([0] * (len(counts) - len(total)))
+    for k, count in enumerate(counts):
+        total[k] += count
 
 
 @dataclass

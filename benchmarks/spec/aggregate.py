@@ -6,6 +6,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from vlmspec.types import SpecStats
+
 from benchmarks.common import safe_ratio, summarize
 from benchmarks.spec.runs import QuestionResult, first_difference
 
@@ -26,9 +28,7 @@ TIME_PARTS = ("prefill_s", "draft_s", "verify_s", "other_s")
 
 def aggregate(results: Sequence[QuestionResult], variants: Sequence[str]) -> dict[str, Any]:
     """Every total for a set of questions: identity, throughput, speedups, tau, acceptance, time split, accuracy."""
-    spec_stats = [r.runs["vlmspec"].stats for r in results if r.runs["vlmspec"].stats is not None]
-    rounds = sum(s.rounds for s in spec_stats)
-    accepted_by_position, verified_by_position = _position_totals(spec_stats)
+    pooled = SpecStats.merge(r.runs["vlmspec"].stats for r in results if r.runs["vlmspec"].stats is not None)
     speedups = {
         "vlmspec_vs_target": aggregate_speedup(results),
         "vlmspec_vs_target_median_per_question": summarize(r.speedup() for r in results)["median"],
@@ -43,25 +43,14 @@ def aggregate(results: Sequence[QuestionResult], variants: Sequence[str]) -> dic
         "differences": [r.task.qid for r in results if not r.identical],
         "variants": {v: _variant_totals(results, v) for v in variants},
         "speedup": speedups,
-        "tau": safe_ratio(sum(s.accepted for s in spec_stats) + rounds, rounds),
-        "mean_verified_length": safe_ratio(sum(s.verified for s in spec_stats), rounds),
-        "acceptance_by_position": [safe_ratio(a, v) for a, v in zip(accepted_by_position, verified_by_position)],
-        "verified_by_position": verified_by_position,
+        "tau": pooled.tau if pooled.rounds else None,
+        "mean_verified_length": pooled.mean_verified_length if pooled.rounds else None,
+        "acceptance_by_position": pooled.acceptance_by_position,
+        "verified_by_position": pooled.verified_by_position,
         "time_split_s": {v: _time_split(results, v) for v in ("target", "vlmspec")},
         "accuracy": {v: _accuracy(results, v) for v in variants},
         "identical_to_target": {v: _identical_count(results, v) for v in variants if v != "target"},
     }
-
-
-def _position_totals(stats: Sequence[Any]) -> tuple[list[int], list[int]]:
-    """Accepted and verified counts per draft position, summed over SpecStats."""
-    length = max((len(s.verified_by_position) for s in stats), default=0)
-    accepted, verified = [0] * length, [0] * length
-    for s in stats:
-        for k, (a, v) in enumerate(zip(s.accepted_by_position, s.verified_by_position)):
-            accepted[k] += a
-            verified[k] += v
-    return accepted, verified
 
 
 def _variant_totals(results: Sequence[QuestionResult], variant: str) -> dict[str, Any]:

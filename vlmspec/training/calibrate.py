@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from vlmspec.scheduling.base import Scheduler, VerifyAll
 from vlmspec.scheduling.calibration import Calibration, RoundRecorder, RoundRecords, fit_sts
 from vlmspec.training.prompts import PromptItem
+from vlmspec.types import SpecStats
 
 
 class RecordingScheduler:
@@ -60,19 +61,32 @@ class HeldoutRun:
     """Speculative decoding of held-out prompts: tau, acceptance and the recorded rounds."""
 
     prompts: int
-    rounds: int
-    accepted: int
-    new_tokens: int
-    acceptance_by_position: list[float]
+    stats: SpecStats  # pooled over every held-out generation (SpecStats.merge)
     identical_to_target: bool | None  # greedy only: every output equals the target alone
     mismatches: list[str] = field(default_factory=list)  # prompt ids whose output differed
     records: RoundRecords | None = None  # rounds with confidences (None without a confidence head)
     seconds: float = 0.0
 
     @property
+    def rounds(self) -> int:
+        return self.stats.rounds
+
+    @property
+    def accepted(self) -> int:
+        return self.stats.accepted
+
+    @property
+    def new_tokens(self) -> int:
+        return self.stats.new_tokens
+
+    @property
     def tau(self) -> float:
-        """Mean tokens committed per round (accepted drafts + 1)."""
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+        """Mean tokens committed per round over every held-out generation (accepted drafts + 1)."""
+        return self.stats.tau
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return self.stats.acceptance_by_position
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -107,8 +121,7 @@ def run_heldout(
         raise ValueError("no held-out prompts: pass --heldout-prompts > 0 to measure tau and calibrate")
     started = time.perf_counter()
     recorder = RoundRecorder()
-    totals = {"rounds": 0, "accepted": 0, "new_tokens": 0}
-    accepted_at, verified_at, mismatches = [], [], []
+    all_stats, mismatches = [], []
     for item in tqdm(items, desc="held-out decoding", unit="prompt", disable=not show_progress, dynamic_ncols=True):
         options = dict(messages=item.messages, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
         with recording(engine) as calls:
@@ -116,11 +129,7 @@ def run_heldout(
             committed = list(stream.rounds())[1:]  # the first entry is the prefill's token
         result = stream.result
         stats = result.stats
-        totals["rounds"] += stats.rounds
-        totals["accepted"] += stats.accepted
-        totals["new_tokens"] += stats.new_tokens
-        _extend(accepted_at, stats.accepted_by_position)
-        _extend(verified_at, stats.verified_by_position)
+        all_stats.append(stats)
         _record_rounds(recorder, calls.calls, committed, stats.verified_lengths, result.finish_reason)
         if compare_with_target and temperature == 0:
             alone = engine.generate(item.images or None, speculative=False, **options)
@@ -130,19 +139,12 @@ def run_heldout(
     records = recorder.records(meta) if len(recorder) else None
     return HeldoutRun(
         prompts=len(items),
-        **totals,
-        acceptance_by_position=[a / v if v else float("nan") for a, v in zip(accepted_at, verified_at)],
+        stats=SpecStats.merge(all_stats),
         identical_to_target=(not mismatches) if compare_with_target and temperature == 0 else None,
         mismatches=mismatches,
         records=records,
         seconds=time.perf_counter() - started,
     )
-
-
-def _extend(total: list[int], values: Sequence[int]) -> None:
-    total.extend([0] * (len(values) - len(total)))
-    for k, value in enumerate(values):
-        total[k] += value
 
 
 def _record_rounds(

@@ -1,0 +1,36 @@
+"""SpecStats: per-round counting and the pooled statistics of several generations."""
+
+from __future__ import annotations
+
+import pytest
+
+from vlmspec.types import SpecStats
+
+
+def _stats(*rounds: tuple[int, int, int], new_tokens: int = 0, total_s: float = 0.0) -> SpecStats:
+    """A SpecStats with rounds given as (drafted, verified, accepted)."""
+    stats = SpecStats(new_tokens=new_tokens, total_s=total_s)
+    for drafted, verified, accepted in rounds:
+        stats.record_round(drafted=drafted, verified=verified, accepted=accepted)
+    return stats
+
+
+def test_acceptance_by_position_counts_only_rounds_that_verified_the_position():
+    stats = _stats((2, 2, 2), (2, 2, 1), (2, 1, 0))
+    assert stats.verified_by_position == [3, 2] and stats.accepted_by_position == [2, 1]
+    assert stats.acceptance_by_position == pytest.approx([2 / 3, 0.5])
+    assert stats.tau == pytest.approx((3 + 3) / 3) and stats.mean_verified_length == pytest.approx(5 / 3)
+    assert SpecStats().tau == 0.0 and SpecStats().acceptance_by_position == []
+
+
+def test_merge_pools_every_round_not_the_mean_of_taus():
+    short = _stats((4, 4, 4), new_tokens=5, total_s=1.0)  # tau 5 over one round
+    long = _stats((4, 3, 0), (4, 3, 0), (4, 3, 0), new_tokens=3, total_s=2.0)  # tau 1 over three rounds
+    merged = SpecStats.merge([short, long])
+    assert merged.rounds == 4 and merged.accepted == 4 and merged.drafted == 16 and merged.verified == 13
+    assert merged.tau == pytest.approx(8 / 4)  # the mean of the two taus would be 3
+    assert merged.verified_by_position == [4, 4, 4, 1] and merged.accepted_by_position == [1, 1, 1, 1]
+    assert merged.acceptance_by_position == pytest.approx([0.25, 0.25, 0.25, 1.0])
+    assert merged.verified_lengths == [4, 3, 3, 3] and merged.new_tokens == 8 and merged.total_s == pytest.approx(3.0)
+    assert short.rounds == 1 and long.rounds == 3  # the inputs are left as they were
+    assert SpecStats.merge([]).tau == 0.0 and SpecStats.merge([short]).as_dict() == short.as_dict()
