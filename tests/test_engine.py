@@ -88,6 +88,19 @@ def test_max_new_tokens_eos_and_stop_strings_end_where_the_target_alone_ends(mak
     assert stop in results[1].text and results[1].text.count(stop) == 1 and len(results[1].token_ids) < 40
 
 
+def test_round_records_match_the_statistics_and_the_output(make_target):
+    engine = SpecEngine(make_target("qwen2_vl"), PromptLookup(max_draft_tokens=4))
+    stream = engine.stream(None, PROMPT, max_new_tokens=24)
+    records = list(stream.records())
+    result = stream.result
+    stats = result.stats
+    assert len(records) == stats.rounds and [r.verified for r in records] == stats.verified_lengths
+    assert sum(r.accepted for r in records) == stats.accepted and sum(r.drafted for r in records) == stats.drafted
+    assert [t for r in records for t in r.tokens] == result.token_ids[1:]  # the prefill commits the first token
+    assert all(r.accepted <= r.verified <= r.drafted and r.confidences is None for r in records)  # no confidence head
+    assert all(len(r.tokens) == r.accepted + 1 for r in records[:-1])  # only the last round can be cut short
+
+
 def test_stream_yields_the_same_text(make_target):
     engine = SpecEngine(make_target("qwen2_vl"), PromptLookup())
     stream = engine.stream(None, "Tell me a story.", max_new_tokens=20)

@@ -1,10 +1,11 @@
-"""SpecStats: per-round counting and the pooled statistics of several generations."""
+"""SpecStats (per-round counting, pooled statistics of several generations) and DraftBlock.truncated."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from vlmspec.types import SpecStats
+from vlmspec.types import DraftBlock, SpecStats
 
 
 def _stats(*rounds: tuple[int, int, int], new_tokens: int = 0, total_s: float = 0.0) -> SpecStats:
@@ -34,3 +35,18 @@ def test_merge_pools_every_round_not_the_mean_of_taus():
     assert merged.verified_lengths == [4, 3, 3, 3] and merged.new_tokens == 8 and merged.total_s == pytest.approx(3.0)
     assert short.rounds == 1 and long.rounds == 3  # the inputs are left as they were
     assert SpecStats.merge([]).tau == 0.0 and SpecStats.merge([short]).as_dict() == short.as_dict()
+
+
+def test_truncated_block_keeps_the_slots_to_verify():
+    block = DraftBlock(
+        tokens=torch.tensor([[5, 6, 7, 8], [1, 2, 0, 0]]),  # [B=2, gamma=4]; row 1 drafted two
+        num_tokens=torch.tensor([4, 2]),
+        draft_probs=torch.full((2, 4, 9), 1 / 9),
+        confidences=torch.tensor([[0.9, 0.8, 0.7, 0.6], [0.5, 0.4, 0.0, 0.0]]),
+    )
+    cut = block.truncated(torch.tensor([3, 5]))
+    assert cut.num_tokens.tolist() == [3, 2] and cut.gamma == 3  # never more than drafted; as wide as the longest row
+    assert cut.tokens.tolist() == [[5, 6, 7], [1, 2, 0]] and cut.draft_probs.shape == (2, 3, 9)
+    assert torch.equal(cut.confidences, block.confidences[:, :3])
+    none = block.truncated(torch.tensor([0, 0]))
+    assert none.gamma == 0 and none.num_tokens.tolist() == [0, 0]

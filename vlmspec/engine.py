@@ -10,6 +10,12 @@ together, and it calls each through its protocol. One round:
    prefix and draws the recovered or bonus token;
 4. the target's cache is rolled back to what was kept, and the tokens are committed.
 
+Each round is reported as a :class:`~vlmspec.types.RoundRecord` (drafted, verified,
+accepted, the confidences the scheduler saw, the committed tokens):
+``engine.stream(...).records()`` yields them as they happen. Everything one generation
+needs (proposer, scheduler, sampling, generator, the target's and the drafter's state)
+lives on its request object, so a round is ``_round(request)``.
+
 What it does not know: Hugging Face, M-RoPE, processors (that is ``vlmspec.target``);
 how drafts are made (``vlmspec.drafters``); acceptance rules (``vlmspec.verify``).
 With ``speculative=False`` the proposer is :class:`NoDraft` and every round verifies the
@@ -23,6 +29,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,18 +38,25 @@ from vlmspec.sampling import sample, target_probs
 from vlmspec.scheduling.base import Scheduler, VerifyAll
 from vlmspec.target.adapter import QwenVLTarget, RequestState, load_target
 from vlmspec.target.inputs import ImageLike, TargetInputs
-from vlmspec.types import ContextUpdate, DraftBlock, GenerationResult, SamplingParams, SpecStats
+from vlmspec.types import ContextUpdate, GenerationResult, RoundRecord, SamplingParams, SpecStats
 from vlmspec.verify import verify
 
 
 @dataclass
 class _Request:
-    """Bookkeeping of one generation: what was committed and why it ended."""
+    """One generation: how it decodes, its live state, what it committed and why it ended."""
 
+    proposer: Proposer
+    scheduler: Scheduler
+    params: SamplingParams
+    generator: torch.Generator  # seeded per request; every draw of this generation comes from it
     max_new_tokens: int
     eos_token_ids: frozenset[int]
     stop: tuple[str, ...]
     tokenizer: object
+    state: RequestState | None = None  # the target's cache and positions, set by the prefill
+    draft_state: Any = None  # the proposer's own per-request state (proposer.new_state())
+    update: ContextUpdate | None = None  # what the proposer absorbs at the start of the next round
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stats: SpecStats = field(default_factory=SpecStats)
@@ -150,7 +164,7 @@ class SpecEngine:
         """
         stream = self.stream(images, prompt, messages=messages, max_new_tokens=max_new_tokens, temperature=temperature,
                              top_k=top_k, top_p=top_p, seed=seed, stop=stop, speculative=speculative)  # fmt: skip
-        for _ in stream.rounds():
+        for _ in stream.records():
             pass
         return stream.result
 
@@ -171,112 +185,117 @@ class SpecEngine:
         """Like :meth:`generate`, but iterate over the result to get text as it is committed.
 
         Arguments are validated here, before anything runs; ``stream.result`` holds the
-        :class:`GenerationResult` once the iteration is over.
+        :class:`GenerationResult` once the iteration is over. ``stream.records()``
+        iterates over the rounds' :class:`~vlmspec.types.RoundRecord` instead of text.
         """
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        request = self._new_request(max_new_tokens, stop)
-        inputs = self.target.build_inputs(images, prompt, messages=messages)
         # The target alone: nothing drafted, so nothing to schedule either.
         proposer, scheduler = (self.proposer, self.scheduler) if speculative else (NoDraft(), VerifyAll())
         generator = torch.Generator(device=self.target.device).manual_seed(int(seed))
-        rounds = self._decode(inputs, proposer, scheduler, params, generator, request)
-        return GenerationStream(self, request, rounds)
+        request = self._new_request(proposer, scheduler, params, generator, max_new_tokens, stop)
+        inputs = self.target.build_inputs(images, prompt, messages=messages)
+        return GenerationStream(self, request, self._decode(inputs, request))
 
     # ---------------------------------------------------------------- the loop
-    def _decode(self, inputs: TargetInputs, proposer: Proposer, scheduler: Scheduler, params: SamplingParams, generator,
-                request: "_Request"):  # fmt: skip
-        """Generator over the token lists committed by the prefill and by each round."""
+    def _decode(self, inputs: TargetInputs, request: _Request) -> Iterator[RoundRecord | None]:
+        """Yields None once the prefill has committed the first token, then each round's record."""
         started = time.perf_counter()
-        state, update = self._prefill(inputs, proposer, params, generator, request)
-        yield list(request.tokens)
-        draft_state = proposer.new_state()
+        self._prefill(inputs, request)
+        yield None
         while request.finish_reason is None:
-            committed, update = self._round(state, draft_state, update, proposer, scheduler, params, generator, request)
-            yield committed
+            yield self._round(request)
         request.stats.total_s = time.perf_counter() - started
 
-    def _prefill(self, inputs: TargetInputs, proposer: Proposer, params, generator, request: _Request):
+    def _prefill(self, inputs: TargetInputs, request: _Request) -> None:
+        """Run the prompt through the target, commit the first token, and set the request's state."""
+        proposer = request.proposer
         tick = time.perf_counter()
         state, step = self.target.prefill(inputs, feature_layers=proposer.feature_layers, position_rule=proposer.position_rule)
         request.stats.prefill_s = time.perf_counter() - tick
-        first = int(sample(target_probs(step.logits[-1:], params), [generator])[0])
+        first = int(sample(target_probs(step.logits[-1:], request.params), [request.generator])[0])
         request.commit([first])
-        update = ContextUpdate(
+        request.state, request.draft_state = state, proposer.new_state()
+        request.update = ContextUpdate(
             token_ids=inputs.input_ids[0].cpu(),
             positions=step.positions,
             features=step.features,
             anchor=first,
             anchor_position=inputs.length + state.rope_delta,
         )
-        self._check_context(state, request)
-        return state, update
+        self._check_context(request)
 
-    def _round(self, state: RequestState, draft_state, update: ContextUpdate, proposer, scheduler, params, generator,
-               request):  # fmt: skip
+    def _round(self, request: _Request) -> RoundRecord:
+        """Propose, schedule, verify and commit once; the request's state moves on to the next round."""
+        state, update = request.state, request.update
         tick = time.perf_counter()
-        block = proposer.propose(draft_state, update, params, generator)
-        drafted = int(block.num_tokens[0])
-        # Never verify past max_new_tokens or the context: the extra tokens could not be kept.
-        room = min(request.remaining - 1, self.target.max_context - state.length - 1)
-        lengths = scheduler.schedule(block.confidences, block.num_tokens).clamp(max=max(room, 0))
-        block = _first_tokens(block, int(lengths[0]))
+        proposed = request.proposer.propose(request.draft_state, update, request.params, request.generator)
+        lengths = request.scheduler.schedule(proposed.confidences, proposed.num_tokens)  # [1]
+        block = proposed.truncated(lengths.clamp(max=self._room(request)))
         tock = time.perf_counter()
         request.stats.draft_s += tock - tick
 
-        n = int(block.num_tokens[0])
         step = self.target.verify(state, [update.anchor] + block.tokens[0].tolist())
-        result = verify(block, step.logits[None], params, [generator])
+        result = verify(block, step.logits[None], request.params, [request.generator])
         accepted = int(result.num_accepted[0])
         self.target.rollback(state, keep=accepted + 1)
         request.stats.verify_s += time.perf_counter() - tock
 
-        request.stats.record_round(drafted=drafted, verified=n, accepted=accepted)
-        committed = request.commit(block.tokens[0, :accepted].tolist() + [int(result.next_tokens[0])])
-        kept = accepted + 1  # the anchor and the accepted drafts now have target features
-        next_update = ContextUpdate(
-            token_ids=torch.tensor([update.anchor] + block.tokens[0, :accepted].tolist()),
-            positions=step.positions[:kept],
-            features=None if step.features is None else step.features[:kept],
+        drafted, verified = int(proposed.num_tokens[0]), int(block.num_tokens[0])
+        request.stats.record_round(drafted=drafted, verified=verified, accepted=accepted)
+        kept_drafts = block.tokens[0, :accepted].tolist()
+        committed = request.commit(kept_drafts + [int(result.next_tokens[0])])
+        request.update = ContextUpdate(  # the anchor and the accepted drafts now have target features
+            token_ids=torch.tensor([update.anchor] + kept_drafts),
+            positions=step.positions[: accepted + 1],
+            features=None if step.features is None else step.features[: accepted + 1],
             anchor=committed[-1],
-            anchor_position=int(step.positions[kept - 1]) + 1,
+            anchor_position=int(step.positions[accepted]) + 1,
         )
-        self._check_context(state, request)
-        return committed, next_update
+        self._check_context(request)
+        return RoundRecord(drafted, verified, accepted, _first_row(proposed.confidences), committed)
 
     # --------------------------------------------------------------- helpers
-    def _new_request(self, max_new_tokens: int, stop: str | Sequence[str] | None) -> _Request:
+    def _new_request(self, proposer: Proposer, scheduler: Scheduler, params: SamplingParams, generator: torch.Generator,
+                     max_new_tokens: int, stop: str | Sequence[str] | None) -> _Request:  # fmt: skip
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
-        return _Request(max_new_tokens, frozenset(self.target.eos_token_ids), stops, self.target.tokenizer)
+        eos = frozenset(self.target.eos_token_ids)
+        return _Request(proposer, scheduler, params, generator, max_new_tokens, eos, stops, self.target.tokenizer)
 
-    def _check_context(self, state: RequestState, request: _Request) -> None:
+    def _room(self, request: _Request) -> int:
+        """Most drafts this round may verify: past max_new_tokens or the context they could not be kept."""
+        return max(min(request.remaining - 1, self.target.max_context - request.state.length - 1), 0)
+
+    def _check_context(self, request: _Request) -> None:
         # The next round feeds the anchor at cache index state.length: it must fit.
-        if request.finish_reason is None and state.length + 1 > self.target.max_context:
+        if request.finish_reason is None and request.state.length + 1 > self.target.max_context:
             request.finish_reason = "length"
 
 
 class GenerationStream:
-    """Iterate for text deltas as tokens are committed; ``result`` is set when done."""
+    """One generation as it runs: iterate for text deltas, or :meth:`records` for each round's record.
 
-    def __init__(self, engine: SpecEngine, request: _Request, rounds: Iterator[list[int]]) -> None:
+    ``result`` is set when the generation is over. Iterate only once, one way or the other.
+    """
+
+    def __init__(self, engine: SpecEngine, request: _Request, steps: Iterator[RoundRecord | None]) -> None:
         self._tokenizer = engine.target.tokenizer
         self._request = request
-        self._rounds = rounds
+        self._steps = steps  # None after the prefill, then one RoundRecord per round
         self.result: GenerationResult | None = None
 
-    def rounds(self) -> Iterator[list[int]]:
-        """The token ids committed by the prefill and then by each round."""
-        yield from self._rounds
-        request = self._request
-        text = self._tokenizer.decode(request.tokens, skip_special_tokens=True)
-        self.result = GenerationResult(text, list(request.tokens), request.stats, request.finish_reason)
+    def records(self) -> Iterator[RoundRecord]:
+        """Run the generation; yields the record of each round as it completes (the prefill is not a round)."""
+        for record in self._run():
+            if record is not None:
+                yield record
 
     def __iter__(self) -> Iterator[str]:
         shown = ""
-        for _ in self.rounds():
+        for _ in self._run():  # after the prefill and after every round
             text = self._tokenizer.decode(self._request.tokens, skip_special_tokens=True)
             if len(text) > len(shown) and not text.endswith("\ufffd"):  # wait for a whole character
                 yield text[len(shown) :]
@@ -284,16 +303,16 @@ class GenerationStream:
         if len(self.result.text) > len(shown):
             yield self.result.text[len(shown) :]
 
+    def _run(self) -> Iterator[RoundRecord | None]:
+        yield from self._steps
+        request = self._request
+        text = self._tokenizer.decode(request.tokens, skip_special_tokens=True)
+        self.result = GenerationResult(text, list(request.tokens), request.stats, request.finish_reason)
 
-def _first_tokens(block: DraftBlock, n: int) -> DraftBlock:
-    """A batch-1 block cut to its first ``n`` drafts (the slots the target will verify)."""
-    n = min(n, int(block.num_tokens[0]))
-    return DraftBlock(
-        tokens=block.tokens[:, :n],
-        num_tokens=torch.tensor([n]),
-        draft_probs=None if block.draft_probs is None else block.draft_probs[:, :n],
-        confidences=None if block.confidences is None else block.confidences[:, :n],
-    )
+
+def _first_row(confidences: torch.Tensor | None) -> torch.Tensor | None:
+    """Row 0 of ``confidences`` [1, gamma] as a float32 CPU copy [gamma] (the proposer may reuse its buffer)."""
+    return None if confidences is None else confidences[0].detach().to("cpu", torch.float32, copy=True)
 
 
 def load_proposer(drafter: str | os.PathLike | Proposer | None, target: QwenVLTarget) -> Proposer:

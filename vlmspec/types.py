@@ -7,6 +7,9 @@ Vocabulary used everywhere in vlmspec (the convention the field reports):
 * after a fully accepted block the target samples one more, the **bonus** token;
 * tau = accepted + 1 per round (the +1 is the recovered or bonus token).
 
+:class:`SpecStats` counts a generation's rounds, :meth:`SpecStats.merge` pools several
+generations, and :class:`RoundRecord` is what the engine reports about each round.
+
 Distributions are named ``draft_probs`` and ``target_probs``; both are float32.
 """
 
@@ -79,10 +82,20 @@ class DraftBlock:
     def gamma(self) -> int:
         return self.tokens.shape[1]
 
-    def truncated(self, lengths: torch.Tensor) -> "DraftBlock":
-        """The same block with each request cut to ``min(num_tokens, lengths)`` drafts."""
-        lengths = torch.minimum(self.num_tokens, lengths.to(self.num_tokens))  # [B]
-        return DraftBlock(self.tokens, lengths, self.draft_probs, self.confidences)
+    def truncated(self, lengths: torch.Tensor) -> DraftBlock:
+        """The block cut to ``min(num_tokens, lengths)`` drafts per request: the slots the target will verify.
+
+        lengths: [B] int64, e.g. a scheduler's decision. The tensors are cut to the longest
+        kept row, so a verify forward and its random draws cover only those slots.
+        """
+        num_tokens = torch.minimum(self.num_tokens, lengths.to(self.num_tokens))  # [B]
+        width = int(num_tokens.max()) if num_tokens.numel() else 0
+        return DraftBlock(
+            tokens=self.tokens[:, :width],
+            num_tokens=num_tokens,
+            draft_probs=None if self.draft_probs is None else self.draft_probs[:, :width],
+            confidences=None if self.confidences is None else self.confidences[:, :width],
+        )
 
 
 @dataclass
@@ -92,10 +105,24 @@ class VerifyResult:
     num_accepted: torch.Tensor  # [B] int64, leading draft tokens that survived
     next_tokens: torch.Tensor  # [B] int64, the recovered token (after a rejection) or the bonus token
 
-    def committed(self, draft_tokens: torch.Tensor, row: int) -> list[int]:
-        """Tokens request ``row`` commits this round: its accepted drafts then the next token."""
-        n = int(self.num_accepted[row])
-        return draft_tokens[row, :n].tolist() + [int(self.next_tokens[row])]
+
+@dataclass
+class RoundRecord:
+    """What one speculative round of one request did, as the engine reports it.
+
+    ``tokens`` are what the round committed: the accepted drafts, then the recovered or
+    bonus token (``accepted + 1`` tokens), or fewer when EOS, a stop string or the length
+    limit ended the generation inside the round. ``accepted`` is verification's count
+    either way, so every round's outcome is known, the last one included.
+    """
+
+    drafted: int  # draft tokens the proposer offered
+    verified: int  # drafts sent to the target: the scheduler's choice, cut to the room left
+    accepted: int  # leading verified drafts that survived
+    # Raw conditional confidences the scheduler saw (entries at or beyond ``drafted`` are
+    # padding); None when the proposer has no confidence head.
+    confidences: torch.Tensor | None  # [gamma] float32, on the CPU
+    tokens: list[int]  # committed this round, in order
 
 
 # SpecStats fields that several generations pool by summing (see SpecStats.merge).

@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlmspec.scheduling import Scheduler, build_scheduler
+
 from benchmarks.common import Timer, safe_ratio
 from benchmarks.spec.workloads import Task
 
@@ -26,18 +28,9 @@ def parse_key_values(pairs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def make_scheduler(name: str, options: Mapping[str, Any]):
-    """The scheduler called ``name`` (``none`` = verify every draft), built by ``vlmspec.scheduling.build_scheduler``."""
-    if name == "none":
-        return None
-    try:
-        from vlmspec.scheduling import build_scheduler
-    except ImportError:
-        raise ValueError(
-            f"--scheduler {name} needs vlmspec.scheduling.build_scheduler, which this vlmspec version does not "
-            "provide yet; use --scheduler none"
-        ) from None
-    return build_scheduler(name, **options)
+def make_scheduler(name: str, options: Mapping[str, Any]) -> Scheduler | None:
+    """The scheduler called ``name`` (``vlmspec.scheduling.build_scheduler``); None for ``none``: verify every draft."""
+    return None if name == "none" else build_scheduler(name, **options)
 
 
 def load_engine(args: argparse.Namespace):

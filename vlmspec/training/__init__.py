@@ -25,7 +25,7 @@ from vlmspec.training.cache import (
     open_cache_dir,
     target_fingerprint,
 )
-from vlmspec.training.calibrate import HeldoutRun, RecordingScheduler, calibrate, run_heldout
+from vlmspec.training.calibrate import HeldoutRun, calibrate, run_heldout
 from vlmspec.training.losses import (
     LossWeights,
     PositionTerms,
@@ -52,7 +52,6 @@ __all__ = [
     "PackedRow",
     "PositionTerms",
     "PromptItem",
-    "RecordingScheduler",
     "RegeneratedSequence",
     "TargetCache",
     "TrainConfig",

@@ -1,15 +1,16 @@
 """After training: run the drafter through the speculative engine on held-out prompts.
 
 :func:`run_heldout` decodes each held-out prompt with speculation (and, for greedy runs,
-with the target alone, to check that the output is identical) and records every round:
-the confidences the scheduler saw and the accepted prefix. It reports tau and the
-acceptance by position. :func:`calibrate` fits Sequential Temperature Scaling on those
-rounds (``vlmspec.scheduling.calibration.fit_sts``) and saves ``calibration.json`` beside
-the drafter's weights.
+with the target alone, to check that the output is identical) and keeps the engine's
+record of every round (:class:`~vlmspec.types.RoundRecord`): the confidences the
+scheduler saw and the accepted prefix. It reports tau and the acceptance by position.
+:func:`calibrate` fits Sequential Temperature Scaling on those rounds
+(``vlmspec.scheduling.calibration.fit_sts``) and saves ``calibration.json`` beside the
+drafter's weights.
 
 ``training/`` never imports the engine: these functions receive a ready engine
-(anything with ``stream``/``generate``, a ``scheduler`` attribute and the engine's
-result types), built by the recipe.
+(anything with ``stream(...).records()``, ``generate`` and the engine's result types),
+built by the recipe.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,35 +25,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from vlmspec.scheduling.base import Scheduler, VerifyAll
 from vlmspec.scheduling.calibration import Calibration, RoundRecorder, RoundRecords, fit_sts
 from vlmspec.training.prompts import PromptItem
-from vlmspec.types import SpecStats
-
-
-class RecordingScheduler:
-    """Passes every call to ``inner`` and keeps what it was asked: confidences and drafted counts."""
-
-    def __init__(self, inner: Scheduler | None = None) -> None:
-        self.inner = inner if inner is not None else VerifyAll()
-        self.calls: list[tuple[torch.Tensor | None, torch.Tensor]] = []  # ([1, gamma] or None, [1])
-
-    def schedule(self, confidences: torch.Tensor | None, num_drafted: torch.Tensor) -> torch.Tensor:
-        kept = None if confidences is None else confidences.detach().float().cpu().clone()
-        self.calls.append((kept, num_drafted.detach().cpu().clone()))
-        return self.inner.schedule(confidences, num_drafted)
-
-
-@contextmanager
-def recording(engine) -> Any:
-    """Temporarily wrap ``engine.scheduler`` in a :class:`RecordingScheduler` (restored on exit)."""
-    original = engine.scheduler
-    recorder = RecordingScheduler(original)
-    engine.scheduler = recorder
-    try:
-        yield recorder
-    finally:
-        engine.scheduler = original
+from vlmspec.types import RoundRecord, SpecStats
 
 
 @dataclass
@@ -115,7 +89,9 @@ def run_heldout(
     """Speculative decoding of each item's first turn, with every round recorded.
 
     With ``temperature == 0`` and ``compare_with_target`` each output is also produced by
-    the target alone and compared token for token (speculation must be lossless).
+    the target alone and compared token for token (speculation must be lossless). Rounds
+    are recorded for calibration when the drafter reports confidences; collect them with
+    the engine's default scheduler (verify all), so that every position is observed.
     """
     if not items:
         raise ValueError("no held-out prompts: pass --heldout-prompts > 0 to measure tau and calibrate")
@@ -124,13 +100,11 @@ def run_heldout(
     all_stats, mismatches = [], []
     for item in tqdm(items, desc="held-out decoding", unit="prompt", disable=not show_progress, dynamic_ncols=True):
         options = dict(messages=item.messages, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-        with recording(engine) as calls:
-            stream = engine.stream(item.images or None, **options)
-            committed = list(stream.rounds())[1:]  # the first entry is the prefill's token
+        stream = engine.stream(item.images or None, **options)
+        for record in stream.records():
+            _record_round(recorder, record)
         result = stream.result
-        stats = result.stats
-        all_stats.append(stats)
-        _record_rounds(recorder, calls.calls, committed, stats.verified_lengths, result.finish_reason)
+        all_stats.append(result.stats)
         if compare_with_target and temperature == 0:
             alone = engine.generate(item.images or None, speculative=False, **options)
             if alone.token_ids != result.token_ids:
@@ -147,28 +121,16 @@ def run_heldout(
     )
 
 
-def _record_rounds(
-    recorder: RoundRecorder,
-    calls: list[tuple[torch.Tensor | None, torch.Tensor]],
-    committed: list[list[int]],
-    verified: list[int],
-    finish_reason: str | None,
-) -> None:
-    """Add one record per round whose outcome is fully known.
-
-    A round commits its accepted drafts and one more token, so ``accepted = len(committed) - 1``,
-    except in a last round that ended on EOS or a stop string, where the commit may have
-    been cut short: that round is left out.
-    """
-    rounds = len(verified)
-    if finish_reason in ("eos", "stop"):
-        rounds -= 1
-    for (confidences, drafted), tokens, length in zip(calls[:rounds], committed[:rounds], verified[:rounds]):
-        if confidences is None:
-            return
-        recorder.record(
-            confidences, drafted, torch.tensor([length]), torch.tensor([len(tokens) - 1])
-        )
+def _record_round(recorder: RoundRecorder, record: RoundRecord) -> None:
+    """Add one engine round to ``recorder`` as a batch of one; rounds without confidences are skipped."""
+    if record.confidences is None:
+        return
+    recorder.record(
+        record.confidences[None],  # [1, gamma]
+        torch.tensor([record.drafted]),
+        torch.tensor([record.verified]),
+        torch.tensor([record.accepted]),
+    )
 
 
 def calibrate(run: HeldoutRun, drafter_dir: str | Path) -> Calibration:
