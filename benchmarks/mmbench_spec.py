@@ -40,7 +40,7 @@ if __package__ in (None, ""):  # run as a file (python benchmarks/x.py): make th
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vlmspec.data.mmbench import RowProblem
-from vlmspec.scheduling.factory import SCHEDULERS
+from vlmspec.scheduling.factory import SCHEDULERS, describe_schedulers
 
 from benchmarks.common import log, prepare_out_dir
 from benchmarks.spec.loop import Benchmark
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     model = parser.add_argument_group("models")
     model.add_argument("--target", required=True, help="directory of a saved Qwen-VL model, or tiny:FAMILY (qwen2_vl, qwen2_5_vl, qwen3_vl) for a random tiny one")
     model.add_argument("--drafter", default="prompt-lookup", help="'prompt-lookup' or the directory of a saved DSpark drafter")
-    model.add_argument("--scheduler", default="none", choices=SCHEDULERS, help="how many drafts to verify per round (none = all)")
+    model.add_argument("--scheduler", default="none", choices=SCHEDULERS, help=f"how many drafts to verify per round: {describe_schedulers()}")
     model.add_argument("--scheduler-arg", action="append", default=[], metavar="KEY=VALUE", help="option for the scheduler, e.g. threshold=0.6 (repeatable)")
     model.add_argument("--max-draft-tokens", type=int, default=8, help="prompt lookup: tokens drafted per round")
     model.add_argument("--max-ngram", type=int, default=3, help="prompt lookup: longest n-gram matched (also transformers' max_matching_ngram_size)")

@@ -44,20 +44,20 @@ import torch
 
 from vlmspec.scheduling import (
     Calibration,
-    LaggedTopKScheduler,
-    PrefixScheduler,
     RoundRecords,
     Scheduler,
     SPSTable,
-    ThresholdScheduler,
-    VerifyAll,
+    build_scheduler,
     plot_sps,
     sps_preset,
     synthetic_records,
 )
 from vlmspec.scheduling.base import prefix_survival
 
-SCHEDULER_NAMES = ("fixed", "threshold", "algorithm1", "lagged_topk")
+# The schedulers a serving engine would batch, by their vlmspec.scheduling.build_scheduler names:
+# none (VerifyAll), threshold (ThresholdScheduler), prefix (PrefixScheduler, Algorithm 1) and
+# lagged-topk (LaggedTopKScheduler). sps (SPSArgmaxScheduler) plans one request alone.
+SCHEDULER_NAMES = ("none", "threshold", "prefix", "lagged-topk")
 
 
 @dataclass
@@ -148,13 +148,8 @@ def load_curves(args: argparse.Namespace, max_tokens: int) -> tuple[dict[str, SP
 
 
 def make_schedulers(table: SPSTable, args: argparse.Namespace) -> dict[str, Scheduler]:
-    """Fresh instances (LaggedTopKScheduler keeps state across steps)."""
-    return {
-        "fixed": VerifyAll(),
-        "threshold": ThresholdScheduler(args.threshold),
-        "algorithm1": PrefixScheduler(table),
-        "lagged_topk": LaggedTopKScheduler(table, lag=args.lag),
-    }
+    """Fresh instances by name (LaggedTopKScheduler keeps state across steps)."""
+    return {name: build_scheduler(name, threshold=args.threshold, sps=table, lag=args.lag) for name in SCHEDULER_NAMES}
 
 
 # -- simulation --------------------------------------------------------------------------------
@@ -214,14 +209,14 @@ def run(args: argparse.Namespace) -> tuple[list[Cell], list[str], dict[str, SPST
 
 
 def markdown_table(cells: list[Cell]) -> str:
-    fixed = {(c.curve, c.concurrency): c.throughput_expected for c in cells if c.scheduler == "fixed"}
+    verify_all = {(c.curve, c.concurrency): c.throughput_expected for c in cells if c.scheduler == "none"}
     lines = [
         "| SPS curve | R | scheduler | budget / req | B | tok/step/req exp | tok/step/req MC "
-        "| system tok/s exp | system tok/s MC | vs fixed |",
+        "| system tok/s exp | system tok/s MC | vs none (verify all) |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cells:
-        ratio = c.throughput_expected / fixed[(c.curve, c.concurrency)]
+        ratio = c.throughput_expected / verify_all[(c.curve, c.concurrency)]
         lines.append(
             f"| {c.curve} | {c.concurrency} | {c.scheduler} | {c.budget_per_request:.2f} | {c.tokens_in_flight:.0f} | "
             f"{c.tokens_per_step_expected:.2f} | {c.tokens_per_step_mc:.2f} | {c.throughput_expected:.1f} | "
@@ -257,7 +252,7 @@ def plot_results(cells: list[Cell], out: Path) -> list[Path]:
 
     fig = Figure(figsize=(6.5, 4.2), layout="constrained")
     ax = fig.subplots()
-    styles = {"algorithm1": ("-", "o", 6), "lagged_topk": ("--", "x", 8), "threshold": (":", "s", 5)}
+    styles = {"prefix": ("-", "o", 6), "lagged-topk": ("--", "x", 8), "threshold": (":", "s", 5)}
     for index, (color, curve) in enumerate(zip(("tab:blue", "tab:red", "tab:green"), curves)):
         for name, (line, marker, size) in styles.items():
             if name == "threshold" and index > 0:

@@ -9,7 +9,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from vlmspec.scheduling.factory import SCHEDULERS
+from vlmspec.scheduling.factory import SCHEDULERS, describe_schedulers
 
 DEMO_PROMPT = "Describe the image."
 # A GSM8K-style question outside the prompts the reference drafter trained on.
@@ -76,9 +76,7 @@ def _add_demo(commands) -> None:
     p.add_argument("--drafter", default="reference",
                    help="'reference' (the DSpark drafter trained for the reference target), 'reference-dflash', "
                         "'prompt-lookup' or a DSpark drafter directory")  # fmt: skip
-    p.add_argument("--scheduler", default="none", choices=SCHEDULERS, help="how many drafts to verify per round")
-    p.add_argument("--threshold", type=float, default=0.5, help="confidence threshold (threshold scheduler)")
-    p.add_argument("--sps", default=None, help="SPS table JSON or preset (sps, prefix, lagged-topk schedulers)")
+    _scheduler_options(p)
     p.add_argument("--image", default=None, help="an image file (default: a held-out easy-vqa test image)")
     p.add_argument("--prompt", default=DEMO_PROMPT, help="the first question about the image")
     p.add_argument("--text-prompt", default=DEMO_TEXT_PROMPT,
@@ -212,12 +210,18 @@ def _target_options(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     p.add_argument("--target", required=True, help="a Qwen-VL model directory, or tiny:FAMILY for a random tiny model")
     if drafter:
         p.add_argument("--drafter", default="prompt-lookup", help="'prompt-lookup', 'none' or a DSpark drafter directory")
-        p.add_argument("--scheduler", default="none", choices=SCHEDULERS, help="how many drafts to verify per round")
-        p.add_argument("--threshold", type=float, default=0.5, help="confidence threshold (threshold scheduler)")
-        p.add_argument("--sps", default=None, help="SPS table JSON or preset (sps, prefix, lagged-topk schedulers)")
+        _scheduler_options(p)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--attn-implementation", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"))
     p.add_argument("--device", default="cpu")
+
+
+def _scheduler_options(p: argparse.ArgumentParser) -> None:
+    """--scheduler by its factory name (vlmspec.scheduling.build_scheduler), and the options the schedulers take."""
+    p.add_argument("--scheduler", default="none", choices=SCHEDULERS,
+                   help=f"how many drafts to verify per round: {describe_schedulers()}")  # fmt: skip
+    p.add_argument("--threshold", type=float, default=0.5, help="confidence threshold (threshold scheduler)")
+    p.add_argument("--sps", default=None, help="SPS table JSON or preset (sps, prefix, lagged-topk schedulers)")
 
 
 def _generation_options(p: argparse.ArgumentParser) -> None:

@@ -14,11 +14,13 @@ from vlmspec.scheduling import (
     LaggedTopKScheduler,
     PrefixScheduler,
     Scheduler,
+    SCHEDULER_CLASSES,
     SPSArgmaxScheduler,
     SPSMeta,
     SPSTable,
     ThresholdScheduler,
     VerifyAll,
+    build_scheduler,
     rank_candidates,
     sps_preset,
     survival_probabilities,
@@ -98,6 +100,14 @@ def test_contract_shape_dtype_bounds(scheduler: Scheduler) -> None:
 def test_no_confidence_head_is_refused_with_the_fix(scheduler: Scheduler) -> None:
     with pytest.raises(ValueError, match="no confidence head.*VerifyAll"):
         scheduler.schedule(None, torch.tensor([3, 2]))
+
+
+def test_each_name_builds_its_class_and_unknown_names_list_them_all() -> None:
+    assert tuple(SCHEDULER_CLASSES) == ("none", "threshold", "sps", "prefix", "lagged-topk")
+    for name, cls in SCHEDULER_CLASSES.items():
+        assert type(build_scheduler(name, sps="appendix_a")) is cls
+    with pytest.raises(ValueError, match=r"'algorithm1'; choose one of none \(VerifyAll\), .*prefix \(PrefixScheduler\)"):
+        build_scheduler("algorithm1")
 
 
 def test_verify_all_ignores_missing_confidences() -> None:

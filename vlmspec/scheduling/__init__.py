@@ -2,7 +2,8 @@
 
 * :class:`VerifyAll` (default), :class:`ThresholdScheduler`, :class:`SPSArgmaxScheduler`
   (one request), :class:`PrefixScheduler` (Algorithm 1), :class:`LaggedTopKScheduler`
-  (production form), all behind the :class:`Scheduler` protocol.
+  (production form), all behind the :class:`Scheduler` protocol; :func:`build_scheduler`
+  builds them by name (``none``, ``threshold``, ``sps``, ``prefix``, ``lagged-topk``).
 * SPS profiling: :class:`SPSTable`, :func:`measure_sps`, :func:`profile_forward`,
   :func:`sps_preset`, :func:`plot_sps`.
 * Calibration: :class:`RoundRecorder`, :class:`RoundRecords`, :func:`fit_sts`,
@@ -10,7 +11,7 @@
 """
 
 from vlmspec.scheduling.base import Scheduler, VerifyAll, survival_probabilities
-from vlmspec.scheduling.factory import SCHEDULERS, build_scheduler, resolve_sps_table
+from vlmspec.scheduling.factory import SCHEDULER_CLASSES, SCHEDULERS, build_scheduler, describe_schedulers, resolve_sps_table
 from vlmspec.scheduling.calibration import (
     Calibration,
     CalibratedScheduler,
@@ -27,7 +28,9 @@ from vlmspec.scheduling.threshold import ThresholdScheduler
 
 __all__ = [
     "SCHEDULERS",
+    "SCHEDULER_CLASSES",
     "build_scheduler",
+    "describe_schedulers",
     "resolve_sps_table",
     "Calibration",
     "CalibratedScheduler",

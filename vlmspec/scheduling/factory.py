@@ -1,10 +1,14 @@
-"""Build a scheduler from a name and plain options (CLI flags, benchmark arguments)."""
+"""Build a scheduler from a name and plain options (CLI flags, benchmark arguments).
+
+The names below are the one spelling of the schedulers across vlmspec: ``build_scheduler``,
+``vlmspec generate/demo --scheduler``, ``benchmarks/mmbench_spec.py --scheduler`` and the
+serving simulation ``benchmarks/scheduler_sim.py`` all use them.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from vlmspec.scheduling.base import Scheduler, VerifyAll
 from vlmspec.scheduling.calibration import CalibratedScheduler, Calibration
@@ -13,7 +17,20 @@ from vlmspec.scheduling.profiling import PRESETS, SPSTable, sps_preset
 from vlmspec.scheduling.sps import SPSArgmaxScheduler
 from vlmspec.scheduling.threshold import ThresholdScheduler
 
-SCHEDULERS = ("none", "threshold", "sps", "prefix", "lagged-topk")
+# name -> the class it builds
+SCHEDULER_CLASSES: dict[str, type] = {
+    "none": VerifyAll,  # verify every draft (the default)
+    "threshold": ThresholdScheduler,  # a static confidence threshold
+    "sps": SPSArgmaxScheduler,  # one request: argmax of expected tokens per second
+    "prefix": PrefixScheduler,  # Algorithm 1: many requests sharing one verify forward
+    "lagged-topk": LaggedTopKScheduler,  # Algorithm 1's production form, with a lagged budget
+}
+SCHEDULERS = tuple(SCHEDULER_CLASSES)
+
+
+def describe_schedulers() -> str:
+    """``"none (VerifyAll), threshold (ThresholdScheduler), ..."``: the names with the classes they build."""
+    return ", ".join(f"{name} ({cls.__name__})" for name, cls in SCHEDULER_CLASSES.items())
 
 
 def build_scheduler(
@@ -31,8 +48,8 @@ def build_scheduler(
     ``appendix_a``). ``calibration`` (a :class:`Calibration` or the drafter directory /
     ``calibration.json`` written by STS) makes the scheduler see calibrated confidences.
     """
-    if name not in SCHEDULERS:
-        raise ValueError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULERS)}")
+    if name not in SCHEDULER_CLASSES:
+        raise ValueError(f"unknown scheduler {name!r}; choose one of {describe_schedulers()}")
     scheduler: Scheduler
     if name == "none":
         scheduler = VerifyAll()
