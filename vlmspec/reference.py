@@ -278,7 +278,7 @@ def reference_processor(tokenizer, image_processor=None, chat_template: str | No
     """A Qwen2-VL processor over the reference tokenizer (no video processor: it needs torchvision)."""
     from transformers import Qwen2VLProcessor
 
-    from vlmspec.target.tiny import allow_processor_without_video
+    from vlmspec.target.processor import allow_processor_without_video
 
     allow_processor_without_video()
     return Qwen2VLProcessor(

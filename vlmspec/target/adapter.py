@@ -29,6 +29,7 @@ from vlmspec.target.inputs import (
     load_images,
 )
 from vlmspec.target.positions import DEFAULT_POSITION_RULE, check_position_rule, text_stream_positions
+from vlmspec.target.processor import load_processor
 
 # model_type -> family name used across vlmspec
 SUPPORTED_MODEL_TYPES = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl"}
@@ -410,40 +411,6 @@ def load_target(
 
 RANDOM_TARGET_SIZES = {"tiny": {}, "small": {"hidden_size": 512, "num_layers": 8}}
 REFERENCE_SPEC = "reference"
-
-
-def load_processor(path: str | os.PathLike, model_type: str):
-    """The Qwen-VL processor of a local model directory, built from its parts.
-
-    ``AutoProcessor`` would also build the video processor, which needs torchvision;
-    images never need it, so the processor is assembled from the tokenizer, the image
-    processor and the chat template with ``video_processor=None``.
-    """
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
-
-    from vlmspec.target.tiny import allow_processor_without_video
-
-    allow_processor_without_video()
-    path = Path(path)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
-    processor_class = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor}.get(model_type, Qwen3VLProcessor)
-    return processor_class(
-        image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=_chat_template(path, tokenizer)
-    )
-
-
-def _chat_template(path: Path, tokenizer) -> str:
-    """The processor's chat template (chat_template.jinja / .json), else the tokenizer's."""
-    import json
-
-    if (path / "chat_template.jinja").is_file():
-        return (path / "chat_template.jinja").read_text()
-    if (path / "chat_template.json").is_file():
-        return json.loads((path / "chat_template.json").read_text())["chat_template"]
-    if tokenizer.chat_template:
-        return tokenizer.chat_template
-    raise ValueError(f"no chat template in {str(path)!r}: add chat_template.jinja (the model's processor template)")
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -75,30 +75,11 @@ def qwen_tokenizer(cache_dir: str | os.PathLike | None = None):
     return tokenizer
 
 
-def allow_processor_without_video() -> None:
-    """Let a Qwen-VL processor be built with ``video_processor=None``.
-
-    transformers checks that argument's class through torchvision, which cannot be
-    imported beside the CPU torch wheel; images never need the video processor.
-    """
-    from transformers import ProcessorMixin
-
-    original = ProcessorMixin.check_argument_for_proper_class
-    if getattr(original, "_vlmspec_patched", False):
-        return
-
-    def check(self, argument_name, argument):
-        if argument_name == "video_processor" and argument is None:
-            return None
-        return original(self, argument_name, argument)
-
-    check._vlmspec_patched = True
-    ProcessorMixin.check_argument_for_proper_class = check
-
-
 def tiny_processor(family: str, tokenizer=None):
     """A Qwen-VL processor for ``family`` with small image budgets (112-224 px)."""
     from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
+
+    from vlmspec.target.processor import allow_processor_without_video
 
     _check_family(family)
     allow_processor_without_video()
