@@ -17,12 +17,12 @@ def test_heldout_rounds_match_the_engines_statistics_and_calibrate(target, promp
     scheduler = engine.scheduler
     run = run_heldout(engine, prompts[:2], max_new_tokens=8, show_progress=False)
     assert engine.scheduler is scheduler and isinstance(scheduler, VerifyAll)  # the engine is read, never patched
-    assert run.identical_to_target and run.prompts == 2 and run.new_tokens == 16
+    assert run.identical_to_target and run.prompts == 2 and run.stats.new_tokens == 16
     records = run.records
     assert len(records) == run.rounds  # the engine reports every round's outcome, a last one cut by EOS too
-    assert int(records.num_accepted.sum()) == run.accepted
+    assert int(records.num_accepted.sum()) == run.stats.accepted
     assert bool((records.num_verified <= records.num_drafted).all()) and records.gamma == drafter.block_size
-    assert run.tau == pytest.approx(1 + run.accepted / run.rounds)
+    assert run.tau == pytest.approx(1 + run.stats.accepted / run.rounds)
     calibration = calibrate(run, tmp_path)
     assert Calibration.load(tmp_path).temperatures == calibration.temperatures
     assert len(RoundRecords.load(tmp_path / "calibration_rounds.npz")) == run.rounds

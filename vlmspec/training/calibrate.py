@@ -43,33 +43,22 @@ class HeldoutRun:
 
     @property
     def rounds(self) -> int:
+        """Speculative rounds over every held-out generation."""
         return self.stats.rounds
-
-    @property
-    def accepted(self) -> int:
-        return self.stats.accepted
-
-    @property
-    def new_tokens(self) -> int:
-        return self.stats.new_tokens
 
     @property
     def tau(self) -> float:
         """Mean tokens committed per round over every held-out generation (accepted drafts + 1)."""
         return self.stats.tau
 
-    @property
-    def acceptance_by_position(self) -> list[float]:
-        return self.stats.acceptance_by_position
-
     def as_dict(self) -> dict[str, Any]:
         return {
             "prompts": self.prompts,
             "rounds": self.rounds,
             "tau": self.tau,
-            "accepted": self.accepted,
-            "new_tokens": self.new_tokens,
-            "acceptance_by_position": self.acceptance_by_position,
+            "accepted": self.stats.accepted,
+            "new_tokens": self.stats.new_tokens,
+            "acceptance_by_position": self.stats.acceptance_by_position,
             "identical_to_target": self.identical_to_target,
             "mismatches": self.mismatches,
             "seconds": self.seconds,
