@@ -15,7 +15,7 @@ accepted drafts):
 
 Reported per SPS curve, concurrency and scheduler: system throughput (committed tokens
 per second), tokens per step per request, and the average verification budget per
-request (draft tokens verified per step: the design notes' Figure 8).
+request (draft tokens verified per step: docs/design.md §12.4, the paper's Figure 8).
 
 Inputs (each optional; the output says which were used):
 

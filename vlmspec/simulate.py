@@ -1,4 +1,4 @@
-"""The interactive scheduler simulator (design notes, section 15): one self-contained HTML page.
+"""The interactive scheduler simulator (docs/design.md §15): one self-contained HTML page.
 
 ``write_simulator(path, table)`` writes a page that needs no server, no network and no
 external file: inline CSS, inline JavaScript, an inline SVG plot, and the SPS table
@@ -49,7 +49,7 @@ SIMULATOR_PRESETS: tuple[str, ...] = tuple(PRESETS)  # names `sps_preset` accept
 MAX_GAMMA = 16  # sliders on the page
 MAX_REQUESTS = 8  # requests in the batched view
 DEFAULT_GAMMA = 7  # the paper's block size
-APPENDIX_A_CONFIDENCES = (0.8, 0.95)  # c1 = 0.8 (notes, section 9); c2 high enough that Theta(2) = 1.152 > Theta(0)
+APPENDIX_A_CONFIDENCES = (0.8, 0.95)  # c1 = 0.8 (docs/design.md §9); c2 high enough that Theta(2) = 1.152 > Theta(0)
 _TEMPLATE = "simulator_page.html"
 
 # Requests 2..8 of the batched view (request 1 is the sliders): varied, readable defaults.

@@ -1,4 +1,4 @@
-"""The Appendix A counterexample (design notes, section 9), simulated round by round.
+"""The Appendix A counterexample (docs/design.md §9), simulated round by round.
 
 One request, gamma = 2, vocabulary {A, B}. Each round: the drafter samples x1 from
 draft_probs = (0.5, 0.5) and x2 after it; its confidence head reports c1 = 0.8 (known

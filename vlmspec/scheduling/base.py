@@ -2,7 +2,7 @@
 
 Schedulers are pure: confidences in, lengths out. They must be *non-anticipating*: the
 decision to verify position k may use only information available before x_k was
-sampled (see the Appendix A counterexample in the design notes).
+sampled (see the Appendix A counterexample, docs/design.md §9).
 
 Vocabulary used by every scheduler in this package:
 

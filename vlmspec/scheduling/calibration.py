@@ -2,7 +2,7 @@
 
 The hardware-aware schedulers multiply confidences into prefix survival probabilities
 ``a_k = prod_{i<=k} c_i`` and weigh them against measured costs, so the *magnitudes*
-must be right, not only the ranking. Raw heads are overconfident (design notes, 7.2).
+must be right, not only the ranking. Raw heads are overconfident (docs/design.md §7.2).
 
 * :class:`RoundRecorder` collects, per verified round, the confidences the scheduler saw
   and the realised accepted prefix; :class:`RoundRecords` is the stored form (JSON or
@@ -364,7 +364,7 @@ def fit_sts(
     grid: torch.Tensor | None = None,
     num_bins: int = 15,
 ) -> Calibration:
-    """Sequential Temperature Scaling (design notes, 7.2).
+    """Sequential Temperature Scaling (docs/design.md §7.2).
 
     For k = 1..gamma in order, with T_1..T_{k-1} fixed: pick the T_k in ``grid`` that
     minimises the ECE of ``prod_{i<=k} sigmoid(logit(c_i) / T_i)`` against the observed

@@ -1,4 +1,4 @@
-"""Hardware-aware prefix scheduling for many requests (design notes, sections 8 and 12.5).
+"""Hardware-aware prefix scheduling for many requests (docs/design.md §8 and §12.5).
 
 Both schedulers here rank every drafted position ``(r, j)`` of every request by its
 prefix survival probability ``a[r, j]`` (:func:`rank_candidates`) and admit a leading
@@ -93,7 +93,7 @@ def global_best(theta: np.ndarray) -> int:
 
 
 class PrefixScheduler:
-    """Algorithm 1 of the design notes: greedy admission by descending ``a[r, j]`` with the early break.
+    """Algorithm 1 (docs/design.md §8): greedy admission by descending ``a[r, j]`` with the early break.
 
     Starting from anchors only (``B = R``), candidates are admitted one at a time in
     :func:`rank_candidates` order while each admission strictly raises

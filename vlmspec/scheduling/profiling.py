@@ -358,7 +358,7 @@ def profile_forward(
 def sps_preset(name: str, max_tokens: int = 1024) -> SPSTable:
     """A named curve (not a measurement; ``meta.source`` says ``preset:<name>``).
 
-    * ``appendix_a``: {1: 1.0, 2: 0.5, 3: 0.45}, the design notes' counterexample
+    * ``appendix_a``: {1: 1.0, 2: 0.5, 3: 0.45}, the Appendix A counterexample (docs/design.md §9)
       (``max_tokens`` is ignored).
     * ``gpu_like``: SYNTHETIC. Flat-ish while the forward is memory-bound, then decaying
       once compute-bound: step time ``t(B) = 20 ms * (1 + B/2048 + knee((B - 256) / 256))``
@@ -377,7 +377,7 @@ def sps_preset(name: str, max_tokens: int = 1024) -> SPSTable:
             dtype="none",
             context_length=None,
             source="preset:appendix_a",
-            notes="design notes, section 9 (Appendix A counterexample)",
+            notes="docs/design.md §9 (Appendix A counterexample)",
         )
         return SPSTable((1, 2, 3), (1.0, 0.5, 0.45), meta)
     if not _is_int(max_tokens) or max_tokens < 1:

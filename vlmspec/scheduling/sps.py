@@ -1,4 +1,4 @@
-"""The single-request SPS argmax scheduler (design notes, section 8.1)."""
+"""The single-request SPS argmax scheduler (docs/design.md §8.1)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A static confidence threshold: the offline diagnostic of the design notes (section 11)."""
+"""A static confidence threshold: the offline diagnostic of docs/design.md §11."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ class ThresholdScheduler:
 
     Non-anticipating by construction: whether position k is verified depends on
     ``c[r, 1..k]`` only, and ``c[r, k]`` is known before ``x_k`` is sampled. Raising the
-    threshold trades accepted length for acceptance rate (the notes' Figure 5).
+    threshold trades accepted length for acceptance rate (docs/design.md §12.3, the paper's Figure 5).
     """
 
     def __init__(self, threshold: float) -> None:

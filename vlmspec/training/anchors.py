@@ -1,4 +1,4 @@
-"""Anchor sampling and anchor-bounded packing (design notes 10.2).
+"""Anchor sampling and anchor-bounded packing (docs/design.md §10.2).
 
 An *anchor* is a token index ``i`` of a cached sequence. Its draft block is the input
 ``[x_i, MASK x (gamma - 1)]`` at positions ``pos(x_i) + [0 .. gamma - 1]``; block position

@@ -1,4 +1,4 @@
-"""DSpark training losses (design notes 10.3), with the LM head kept in chunks.
+"""DSpark training losses (docs/design.md §10.3), with the LM head kept in chunks.
 
 Per block position k = 1..gamma, with the draft distribution ``p_d`` (backbone -> frozen
 LM head -> sequential head, teacher-forced) and the target distribution ``p_t`` (the

@@ -1,4 +1,4 @@
-"""Packed rows: all anchor blocks of a cached sequence over its shared context (design notes 10.2).
+"""Packed rows: all anchor blocks of a cached sequence over its shared context (docs/design.md §10.2).
 
 :func:`pack_sequence` gathers, for a set of anchors, the context rows some block may see,
 the teacher-forced block inputs, the labels, the supervision mask and the target's
