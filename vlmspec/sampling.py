@@ -35,6 +35,7 @@ __all__ = [
     "mask_top_p",
     "residual_probs",
     "draw_uniforms",
+    "draw_row_uniforms",
     "sample_from_uniforms",
     "sample",
 ]
@@ -166,6 +167,23 @@ def draw_uniforms(
     if not rows:
         return torch.empty(0, num_per_row, dtype=torch.float64, device=device)
     return torch.stack(rows).to(device)
+
+
+def draw_row_uniforms(
+    generators: Sequence[torch.Generator],
+    counts: Sequence[int],
+    device: torch.device | str,
+) -> torch.Tensor:  # [sum(counts)] float64 in [0, 1)
+    """``counts[r]`` uniforms from ``generators[r]`` (one call per row), concatenated row after row.
+
+    The ragged form of :func:`draw_uniforms`: each row draws only as many as it needs, so
+    what a row gets does not depend on how many the other rows need.
+    """
+    _check_generators(generators)
+    rows = [torch.rand(n, generator=g, device=g.device, dtype=torch.float64) for g, n in zip(generators, counts, strict=True)]
+    if not rows:
+        return torch.empty(0, dtype=torch.float64, device=device)
+    return torch.cat(rows).to(device)
 
 
 def sample_from_uniforms(

@@ -20,9 +20,11 @@ Vocabulary (the convention the field reports, see ``vlmspec.types``):
 ``VerifyResult.num_accepted[r]`` counts the accepted tokens; ``next_tokens[r]`` is the
 recovered token when ``num_accepted[r] < num_tokens[r]`` and the bonus token otherwise.
 
-Randomness: row r draws ``gamma + 1`` uniforms from ``generators[r]`` in one call per
-round, always the same count whatever happens (gamma acceptance tests, then one for the
-next token), so results depend only on the seeds and the inputs.
+Randomness: row r draws ``num_tokens[r] + 1`` uniforms from ``generators[r]`` in one call
+per round, the same count whatever happens (one acceptance test per draft, then one for
+the next token). A row's draws depend only on its own seed and block, never on the width
+of the batch it is verified in, so a request samples the same tokens alone or among
+others. :func:`verify_rows` verifies rows whose sampling parameters differ.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from vlmspec import sampling
 from vlmspec.types import DraftBlock, SamplingParams, VerifyResult
 
-__all__ = ["verify", "verify_greedy", "verify_rejection"]
+__all__ = ["verify", "verify_greedy", "verify_rejection", "verify_rows"]
 
 
 def verify(
@@ -53,6 +55,39 @@ def verify(
     if generators is None:
         raise ValueError("sampling (temperature > 0) needs generators: one torch.Generator per request")
     return verify_rejection(block, sampling.target_probs(target_logits, params), generators)
+
+
+def verify_rows(
+    block: DraftBlock,
+    target_logits: torch.Tensor,  # [B, gamma + 1, V] any float dtype
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+) -> VerifyResult:
+    """:func:`verify` for a batch whose rows have their own sampling params (``params[r]`` for row r).
+
+    Rows that share params are verified together. Since every row draws only its own
+    uniforms, the grouping changes no result: row r gets what ``verify`` gives it alone.
+    """
+    if len(params) != block.tokens.shape[0]:
+        raise ValueError(f"need one SamplingParams per row ({block.tokens.shape[0]}), got {len(params)}")
+    if len(set(params)) == 1:
+        return verify(block, target_logits, params[0], generators)
+    device = block.tokens.device
+    num_accepted = torch.zeros(len(params), dtype=torch.long, device=device)  # [B]
+    next_tokens = torch.zeros(len(params), dtype=torch.long, device=device)  # [B]
+    for group in dict.fromkeys(params):
+        rows = [r for r, p in enumerate(params) if p == group]
+        index = torch.tensor(rows, device=device)
+        result = verify(_rows_of(block, index), target_logits[index.to(target_logits.device)], group,
+                        [generators[r] for r in rows])  # fmt: skip
+        num_accepted[index] = result.num_accepted.to(device)
+        next_tokens[index] = result.next_tokens.to(device)
+    return VerifyResult(num_accepted=num_accepted, next_tokens=next_tokens)
+
+
+def _rows_of(block: DraftBlock, index: torch.Tensor) -> DraftBlock:  # index [b] int64 -> a block of b rows
+    pick = lambda t: None if t is None else t[index.to(t.device)]  # noqa: E731
+    return DraftBlock(pick(block.tokens), pick(block.num_tokens), pick(block.draft_probs), pick(block.confidences))
 
 
 def verify_greedy(
@@ -90,7 +125,7 @@ def verify_rejection(
     tokens, num_tokens = _check_block(block, target_probs, "target_probs")
     _check_probs(block, target_probs, generators)
     batch, gamma = tokens.shape
-    uniforms = sampling.draw_uniforms(generators, gamma + 1, target_probs.device)  # [B, gamma + 1] float64
+    uniforms = _round_uniforms(generators, num_tokens, gamma, target_probs.device)  # [B, gamma + 1] float64
     real = _real_slots(num_tokens, gamma)  # [B, gamma]
     safe_tokens = torch.where(real, tokens, 0)  # [B, gamma], padding may hold any id
 
@@ -108,6 +143,24 @@ def verify_rejection(
     next_probs = _next_token_probs(block, safe_tokens, target_at_next, num_accepted, num_tokens)  # [B, V]
     next_tokens = sampling.sample_from_uniforms(next_probs, uniforms[:, gamma])  # [B]
     return VerifyResult(num_accepted=num_accepted, next_tokens=next_tokens)
+
+
+def _round_uniforms(
+    generators: Sequence[torch.Generator],
+    num_tokens: torch.Tensor,  # [B] int64
+    gamma: int,
+    device: torch.device,
+) -> torch.Tensor:  # [B, gamma + 1] float64
+    """Row r's ``num_tokens[r] + 1`` uniforms, one call on its generator: the acceptance tests in
+    slots ``0 .. num_tokens[r] - 1``, the next token's in slot ``gamma`` (the rest are unused)."""
+    sizes = num_tokens.to(device) + 1  # [B]
+    flat = sampling.draw_row_uniforms(generators, sizes.tolist(), device)  # [sum (n_r + 1)]
+    uniforms = torch.zeros(sizes.shape[0], gamma + 1, dtype=torch.float64, device=device)
+    rows = torch.repeat_interleave(torch.arange(sizes.shape[0], device=device), sizes)
+    within = torch.arange(flat.shape[0], device=device) - (torch.cumsum(sizes, 0) - sizes)[rows]
+    columns = torch.where(within == num_tokens.to(device)[rows], gamma, within)  # each row's last draw -> slot gamma
+    uniforms[rows, columns] = flat
+    return uniforms
 
 
 def _next_token_probs(
