@@ -1,0 +1,119 @@
+"""Ragged batches: every row's logits, features and positions equal its request's own, step after step."""
+
+import pytest
+import torch
+
+from vlmspec.target.ragged import RaggedBatch
+
+LAYERS = (0, 2)
+
+
+def prompts(target, picture):
+    return [target.build_inputs(None, "Hi"), target.build_inputs(picture, "Describe it in detail."),
+            target.build_inputs(None, "Name three colours of the rainbow.")]  # fmt: skip
+
+
+def check_rows(target, step, alone, tokens, num_tokens, keep):
+    """Compare each row of a ragged step with its request's one-request verify, then roll both back."""
+    for row, state in enumerate(alone):
+        n = int(num_tokens[row])
+        if n == 0:
+            continue
+        single = target.verify(state, tokens[row, :n])
+        target.rollback(state, keep=int(keep[row]))
+        torch.testing.assert_close(step.logits[row, :n], single.logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(step.features[row, :n], single.features, atol=1e-4, rtol=1e-4)
+        assert torch.equal(step.positions[row, :n], single.positions)
+
+
+def random_step(generator, rows: int, vocab: int = 5000):
+    num_tokens = torch.randint(0, 6, (rows,), generator=generator)
+    tokens = torch.randint(0, vocab, (rows, max(int(num_tokens.max()), 1)), generator=generator)
+    keep = torch.stack([torch.randint(0, int(n) + 1, (), generator=generator) for n in num_tokens])
+    return tokens, num_tokens, keep
+
+
+def test_rows_of_different_lengths_verify_and_roll_back_as_if_alone(make_target, family, astronaut):
+    target = make_target(family)
+    batch = RaggedBatch(target, feature_layers=LAYERS, initial_capacity=8)  # small: the buffers must grow
+    alone = []
+    for inputs in prompts(target, astronaut.resize((64, 64))):
+        batch.add(target.prefill(inputs, feature_layers=LAYERS)[0])
+        alone.append(target.prefill(inputs, feature_layers=LAYERS)[0])
+    assert batch.lengths.tolist() == [state.length for state in alone]
+    assert batch.rope_deltas.tolist() == [state.rope_delta for state in alone]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(4):  # rows feed 0..5 tokens each and keep any prefix of them
+        tokens, num_tokens, keep = random_step(generator, 3)
+        step = batch.verify(tokens, num_tokens)
+        check_rows(target, step, alone, tokens, num_tokens, keep)
+        batch.advance(keep)
+        assert batch.lengths.tolist() == [state.length for state in alone]
+
+
+def test_rows_leave_and_join_between_steps(make_target, astronaut):
+    target = make_target("qwen2_5_vl")
+    inputs = prompts(target, astronaut.resize((64, 64)))
+    batch = RaggedBatch(target, feature_layers=LAYERS)
+    alone = []
+    for item in inputs:
+        batch.add(target.prefill(item, feature_layers=LAYERS)[0])
+        alone.append(target.prefill(item, feature_layers=LAYERS)[0])
+    generator = torch.Generator().manual_seed(1)
+    tokens, num_tokens, keep = random_step(generator, 3)
+    check_rows(target, batch.verify(tokens, num_tokens), alone, tokens, num_tokens, keep)
+    batch.advance(keep)
+
+    assert batch.remove(0) == 2  # the last row moved into row 0
+    alone = [alone[2], alone[1]]
+    assert batch.lengths.tolist() == [state.length for state in alone]
+    assert batch.remove(1) is None  # removing the last row moves nothing
+    alone = alone[:1]
+    batch.add(target.prefill(inputs[0], feature_layers=LAYERS)[0])  # a new request joins
+    alone.append(target.prefill(inputs[0], feature_layers=LAYERS)[0])
+    for _ in range(2):
+        tokens, num_tokens, keep = random_step(generator, 2)
+        check_rows(target, batch.verify(tokens, num_tokens), alone, tokens, num_tokens, keep)
+        batch.advance(keep)
+
+
+def test_a_failed_forward_leaves_every_row_intact(make_target):
+    target = make_target("qwen2_vl")
+    inputs = target.build_inputs(None, "Count to ten.")
+    batch = RaggedBatch(target, feature_layers=LAYERS)
+    for _ in range(2):
+        batch.add(target.prefill(inputs, feature_layers=LAYERS)[0])
+    state = target.prefill(inputs, feature_layers=LAYERS)[0]
+
+    def fail(module, args, output):
+        raise RuntimeError("injected failure after the first layers wrote their KV")
+
+    handle = target.model.model.language_model.layers[2].register_forward_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            batch.verify(torch.tensor([[9, 9, 9], [9, 9, 9]]), torch.tensor([3, 3]))
+    finally:
+        handle.remove()
+    step = batch.verify(torch.tensor([[5, 6], [7, 0]]), torch.tensor([2, 1]))
+    single = target.verify(state, [5, 6])
+    torch.testing.assert_close(step.logits[0], single.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_bad_calls_are_refused(make_target):
+    target = make_target("qwen2_vl")
+    batch = RaggedBatch(target)
+    state, _ = target.prefill(target.build_inputs(None, "Hello."))
+    batch.add(state)
+    with pytest.raises(ValueError, match=r"\[R, W\]"):
+        batch.verify(torch.tensor([1, 2]), torch.tensor([2]))
+    with pytest.raises(ValueError, match="num_tokens"):
+        batch.verify(torch.tensor([[1, 2]]), torch.tensor([3]))
+    with pytest.raises(RuntimeError, match="verify"):
+        batch.advance([1])
+    batch.verify(torch.tensor([[1, 2]]), torch.tensor([2]))
+    with pytest.raises(ValueError, match="keep"):
+        batch.advance([3])
+    with pytest.raises(ValueError, match="feature_layers"):
+        batch.add(target.prefill(target.build_inputs(None, "Hello."), feature_layers=(1,))[0])
+    with pytest.raises(IndexError):
+        batch.remove(4)

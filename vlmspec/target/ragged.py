@@ -1,0 +1,318 @@
+"""Ragged batches: many requests verify different numbers of tokens in one target forward.
+
+Speculative decoding over R concurrent requests feeds request r its anchor plus its own
+number of scheduled drafts, ``n_r = 1 + l_r`` tokens, and keeps its own number of them
+afterwards. A :class:`RaggedBatch` holds such rows:
+
+* **One preallocated KV buffer** per decoder layer, ``[R_cap, Hkv, S_cap, hd]``, where
+  row r holds its committed tokens in slots ``0 .. length[r] - 1``. Rollback is free, as
+  in vLLM: the next forward writes at ``length[r]`` and overwrites rejected slots.
+  Buffers start zeroed and only ever hold finite values, so masked slots cannot leak a
+  NaN into a product.
+* **A packed forward.** The ``B = sum_r n_r`` new tokens run as one sequence ``[1, B]``:
+  every linear layer (projections, MLP, LM head) costs B tokens, not ``R x max n_r``,
+  so the forward's cost follows the total the hardware-aware schedulers budget for.
+  Only attention is padded: a small attention function (registered with transformers as
+  ``vlmspec_ragged`` and switched on for this forward only) scatters each row's queries
+  into ``[R, H, W, hd]`` (``W = max n_r``) and attends over that row's buffer with the
+  mask ``slot <= length[r] + i``: its committed tokens, then its new ones causally.
+* **Per-row positions.** New token i of row r sits at M-RoPE position
+  ``length[r] + i + rope_delta[r]`` in all three components (the rule one-request
+  decoding uses), which is also its 1-D text-stream position for a drafter.
+
+A failed forward writes only at or beyond each row's committed length, so every row's
+committed state survives it: the caller may retry (the engine does, request by request).
+
+Requests enter after a one-request prefill (:meth:`QwenVLTarget.prefill`, images
+included): :meth:`RaggedBatch.add` copies the prompt's KV into a free row. A finished
+request leaves with :meth:`RaggedBatch.remove`, which moves the last row into the hole
+(one row copied, not the whole buffer). Rows therefore change index: ``remove`` says which.
+
+Every row's logits and features equal what its request gets alone (float rounding
+apart: the attention sums over a few extra masked slots); tests/target/test_ragged.py
+checks it for every family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from vlmspec.target.adapter import QwenVLTarget, RequestState
+
+RAGGED_ATTENTION = "vlmspec_ragged"
+
+
+@dataclass
+class RaggedStep:
+    """What one ragged verification forward returns, padded to ``W = max n_r`` per row."""
+
+    logits: torch.Tensor  # [R, W, V] float32; row r's first num_tokens[r] entries are real
+    features: torch.Tensor | None  # [R, W, m * d] hooked decoder-layer outputs (model dtype), or None
+    positions: torch.Tensor  # [R, W] int64 1-D text-stream positions of the inputs (CPU)
+
+
+@dataclass
+class _Layout:
+    """Where the B packed tokens of one forward live: the attention function's metadata."""
+
+    rows: torch.Tensor  # [B] int64 row of each packed token
+    offsets: torch.Tensor  # [B] int64 its index i among its row's inputs
+    slots: torch.Tensor  # [B] int64 its cache slot, length[row] + i
+    padded: torch.Tensor  # [B] int64 its index in the flattened [R, W] padding
+    num_rows: int  # R
+    width: int  # W = max n_r
+    keys: int  # S = max(length + n): key slots the attention reads
+    mask: torch.Tensor  # [R, 1, W, S] bool, True where query (r, i) may attend slot j
+
+
+class RaggedBatch:
+    """The rows of a ragged batch: a shared KV buffer plus each row's length and rope_delta.
+
+    >>> batch = RaggedBatch(target, feature_layers=(1, 2))
+    >>> row = batch.add(state)                           # a request after target.prefill(...)
+    >>> step = batch.verify(tokens, num_tokens)          # [R, W] inputs, [R] real counts
+    >>> batch.advance(keep)                              # [R]: keep the first keep[r] inputs
+    """
+
+    def __init__(self, target: QwenVLTarget, *, feature_layers: Sequence[int] = (), initial_capacity: int = 256):
+        _check_attention(target)
+        self.target = target
+        self.feature_layers = target.check_feature_layers(feature_layers)
+        self.lengths = torch.zeros(0, dtype=torch.long)  # [R] committed tokens per row
+        self.rope_deltas = torch.zeros(0, dtype=torch.long)  # [R]
+        self._keys: list[torch.Tensor] = []  # per layer [R_cap, Hkv, S_cap, hd]
+        self._values: list[torch.Tensor] = []
+        self._initial_capacity = initial_capacity
+        self._pending: torch.Tensor | None = None  # [R] tokens of the last verify not yet confirmed
+
+    # ----------------------------------------------------------------- rows
+    @property
+    def num_rows(self) -> int:
+        return self.lengths.shape[0]
+
+    def add(self, state: RequestState) -> int:
+        """Copy a prefilled request's cache into a new last row; returns the row index.
+
+        ``state`` must come from ``target.prefill`` with this batch's feature layers (or
+        any one-request state with nothing left to roll back); it is not used afterwards.
+        """
+        if state.broken or state.uncommitted:
+            raise ValueError("add() takes a request state after prefill/rollback, not one mid-verify or broken")
+        if state.feature_layers != self.feature_layers:
+            raise ValueError(
+                f"the request hooks layers {state.feature_layers} but the batch hooks {self.feature_layers}; "
+                "prefill with feature_layers=batch.feature_layers"
+            )
+        layers = state.cache.layers
+        if not self._keys:
+            self._allocate(layers, max(self._initial_capacity, state.length))
+        row = self.num_rows
+        self._reserve(rows=row + 1, slots=state.length)
+        for buffer_k, buffer_v, layer in zip(self._keys, self._values, layers, strict=True):
+            buffer_k[row, :, : state.length] = layer.keys[0, :, : state.length]
+            buffer_v[row, :, : state.length] = layer.values[0, :, : state.length]
+        self.lengths = torch.cat((self.lengths, torch.tensor([state.length])))
+        self.rope_deltas = torch.cat((self.rope_deltas, torch.tensor([state.rope_delta])))
+        self._pending = None
+        return row
+
+    def remove(self, row: int) -> int | None:
+        """Drop ``row``; the last row moves into its place. Returns the moved row's old index (None if none moved)."""
+        last = self.num_rows - 1
+        if not 0 <= row <= last:
+            raise IndexError(f"row {row} is not in this batch of {self.num_rows}")
+        if row != last:
+            n = int(self.lengths[last])
+            for buffer in (*self._keys, *self._values):
+                buffer[row, :, :n] = buffer[last, :, :n]
+            self.lengths[row] = self.lengths[last]
+            self.rope_deltas[row] = self.rope_deltas[last]
+        self.lengths, self.rope_deltas = self.lengths[:last], self.rope_deltas[:last]
+        self._pending = None
+        return last if row != last else None
+
+    # ------------------------------------------------------------- forwards
+    @torch.no_grad()
+    def verify(self, tokens: torch.Tensor, num_tokens: torch.Tensor) -> RaggedStep:
+        """One forward over row r's first ``num_tokens[r]`` of ``tokens[r]``, appended after its committed tokens.
+
+        tokens: [R, W] int64 (entries beyond num_tokens[r] are ignored); num_tokens: [R]
+        int64 in 0..W. Returns logits for every input (entry i predicts the token after
+        input i). Call :meth:`advance` afterwards to keep an accepted prefix per row.
+        """
+        num_tokens = self._check_inputs(tokens, num_tokens)
+        width = tokens.shape[1]
+        positions = self.lengths[:, None] + torch.arange(width) + self.rope_deltas[:, None]  # [R, W]
+        layout = self._layout(num_tokens, width)
+        if layout.rows.numel() == 0:  # nothing to run: every row sits this step out
+            self._pending = num_tokens
+            return RaggedStep(torch.zeros(self.num_rows, width, self.target.vocab_size), None, positions)
+        self._reserve(rows=self.num_rows, slots=int((self.lengths + num_tokens).max()))
+        device = self.target.device
+        packed_ids = tokens.cpu()[layout.rows, layout.offsets].to(device)  # [B]
+        mrope = positions[layout.rows, layout.offsets].to(device).view(1, 1, -1).expand(3, 1, -1)  # [3, 1, B]
+        cache = _RaggedCache(self._keys, self._values, layout)
+        with self.target._capture(self.feature_layers) as captured, _ragged_attention(self.target, layout):
+            out = self.target.model(
+                input_ids=packed_ids[None],
+                position_ids=mrope,
+                **{self.target._cache_kwarg: cache},
+                use_cache=True,
+            )
+        gather = _padding_gather(layout, device)  # [R * W] packed index of each padded slot
+        logits = out.logits[0].float()[gather].view(self.num_rows, width, -1)
+        features = None
+        if self.feature_layers:
+            packed = torch.cat([captured[i][0] for i in self.feature_layers], dim=-1)  # [B, m * d]
+            features = packed[gather].view(self.num_rows, width, -1)
+        self._pending = num_tokens
+        return RaggedStep(logits=logits, features=features, positions=positions)
+
+    def advance(self, keep: torch.Tensor | Sequence[int]) -> None:
+        """Keep the first ``keep[r]`` inputs of row r's last verify ([R] int64); the rest are rolled back."""
+        keep = torch.as_tensor(keep, dtype=torch.long).cpu()
+        if self._pending is None:
+            raise RuntimeError("advance() needs a verify() first (and no rows added or removed in between)")
+        if keep.shape != self._pending.shape or bool(((keep < 0) | (keep > self._pending)).any()):
+            raise ValueError(f"keep must be [R] with 0 <= keep[r] <= num_tokens[r] = {self._pending.tolist()}, got {keep.tolist()}")
+        self.lengths = self.lengths + keep
+        self._pending = None
+
+    # ------------------------------------------------------------ internals
+    def _check_inputs(self, tokens: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dim() != 2 or tokens.shape[0] != self.num_rows or tokens.dtype.is_floating_point:
+            raise ValueError(f"tokens must be an integer tensor [R, W] with R = {self.num_rows} rows, got "
+                             f"{tuple(tokens.shape)} {tokens.dtype}")  # fmt: skip
+        num_tokens = torch.as_tensor(num_tokens, dtype=torch.long).cpu()
+        if num_tokens.shape != (self.num_rows,) or bool(((num_tokens < 0) | (num_tokens > tokens.shape[1])).any()):
+            raise ValueError(f"num_tokens must be [R] = [{self.num_rows}] counts in 0..{tokens.shape[1]}, got {num_tokens.tolist()}")
+        too_long = self.lengths + num_tokens > self.target.max_context
+        if bool(too_long.any()):
+            rows = torch.nonzero(too_long).flatten().tolist()
+            raise ValueError(f"rows {rows} would pass the model's context length ({self.target.max_context} tokens)")
+        return num_tokens
+
+    def _layout(self, num_tokens: torch.Tensor, width: int) -> _Layout:
+        rows = torch.repeat_interleave(torch.arange(self.num_rows), num_tokens)  # [B]
+        starts = torch.cumsum(num_tokens, 0) - num_tokens  # [R] packed index of each row's first token
+        offsets = torch.arange(rows.shape[0]) - starts[rows]  # [B] i within the row
+        keys = int((self.lengths + num_tokens).max()) if self.num_rows else 0
+        last_visible = self.lengths[:, None] + torch.arange(width)  # [R, W]
+        mask = torch.arange(keys)[None, None, :] <= last_visible[:, :, None]  # [R, W, S]
+        return _Layout(
+            rows=rows,
+            offsets=offsets,
+            slots=self.lengths[rows] + offsets,
+            padded=rows * width + offsets,
+            num_rows=self.num_rows,
+            width=width,
+            keys=keys,
+            mask=mask[:, None].to(self.target.device),
+        )
+
+    def _allocate(self, layers, capacity: int) -> None:
+        for layer in layers:
+            _, heads, _, dim = layer.keys.shape
+            for buffers in (self._keys, self._values):
+                buffers.append(layer.keys.new_zeros(1, heads, capacity, dim))
+
+    def _reserve(self, rows: int, slots: int) -> None:
+        """Grow the buffers (doubling) so they hold ``rows`` rows of ``slots`` slots."""
+        have_rows, have_slots = self._keys[0].shape[0], self._keys[0].shape[2]
+        if rows <= have_rows and slots <= have_slots:
+            return
+        new_rows = max(rows, 2 * have_rows) if rows > have_rows else have_rows
+        new_slots = max(slots, 2 * have_slots) if slots > have_slots else have_slots
+        for buffers in (self._keys, self._values):
+            for i, old in enumerate(buffers):
+                new = old.new_zeros(new_rows, old.shape[1], new_slots, old.shape[3])  # zeros: see the module docstring
+                new[: old.shape[0], :, : old.shape[2]] = old
+                buffers[i] = new
+
+
+def _check_attention(target: QwenVLTarget) -> None:
+    config = target.model.config.get_text_config()
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", False):
+        raise ValueError("ragged batches do not support sliding-window attention; load the target without it")
+
+
+def _padding_gather(layout: _Layout, device: torch.device) -> torch.Tensor:  # -> [R * W] int64
+    """Packed index feeding each slot of the [R, W] padding (padding slots repeat packed token 0)."""
+    gather = torch.zeros(layout.num_rows * layout.width, dtype=torch.long)
+    gather[layout.padded] = torch.arange(layout.rows.shape[0])
+    return gather.to(device)
+
+
+class _RaggedCache:
+    """Stands in for a transformers Cache during one packed forward: writes each new token into its row's slot."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], layout: _Layout) -> None:
+        self._keys, self._values, self._layout = keys, values, layout
+        device = keys[0].device
+        self._rows, self._slots = layout.rows.to(device), layout.slots.to(device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key/value_states: [1, Hkv, B, hd] of the packed tokens; returns this layer's whole buffers."""
+        keys, values = self._keys[layer_idx], self._values[layer_idx]
+        keys[self._rows, :, self._slots] = key_states[0].transpose(0, 1).to(keys.dtype)  # [B, Hkv, hd]
+        values[self._rows, :, self._slots] = value_states[0].transpose(0, 1).to(values.dtype)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._layout.keys
+
+
+_current_layout: list[_Layout] = []  # the layout of the packed forward in progress (one at a time)
+
+
+def ragged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, B, hd] packed, rotated queries
+    key: torch.Tensor,  # [R_cap, Hkv, S_cap, hd] this layer's whole key buffer
+    value: torch.Tensor,  # [R_cap, Hkv, S_cap, hd]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:  # [1, B, H, hd]
+    """Attention of packed ragged rows: each row's queries over its own buffer row, padded to [R, H, W, hd]."""
+    layout = _current_layout[-1]
+    heads, dim = query.shape[1], query.shape[3]
+    rows, width, slots = layout.num_rows, layout.width, layout.keys
+    padded_index = layout.padded.to(query.device)
+    padded = query.new_zeros(rows * width, heads, dim)
+    padded[padded_index] = query[0].transpose(0, 1)  # [B, H, hd]
+    padded = padded.view(rows, width, heads, dim).transpose(1, 2)  # [R, H, W, hd]
+    out = F.scaled_dot_product_attention(
+        padded,
+        key[:rows, :, :slots],
+        value[:rows, :, :slots],
+        attn_mask=layout.mask,
+        scale=scaling,
+        enable_gqa=heads != key.shape[1],
+    )  # [R, H, W, hd]
+    packed = out.transpose(1, 2).reshape(rows * width, heads, dim)[padded_index]  # [B, H, hd]
+    return packed[None], None
+
+
+@contextmanager
+def _ragged_attention(target: QwenVLTarget, layout: _Layout):
+    """Route the language model's attention through :func:`ragged_attention` for one forward."""
+    from transformers import AttentionInterface
+
+    if RAGGED_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(RAGGED_ATTENTION, ragged_attention)
+    config = target.model.config.get_text_config()
+    saved = config._attn_implementation
+    config._attn_implementation = RAGGED_ATTENTION
+    _current_layout.append(layout)
+    try:
+        yield
+    finally:
+        _current_layout.pop()
+        config._attn_implementation = saved
