@@ -6,6 +6,7 @@ import pytest
 import torch
 from stat_helpers import SUPPORT, chi_square_p_value, exact_first_tokens, sample_first_tokens
 
+from vlmspec.drafters.base import PerRequestProposer
 from vlmspec.drafters.prompt_lookup import PromptLookup
 from vlmspec.engine import SpecEngine
 from vlmspec.types import ContextUpdate, DraftBlock, SamplingParams
@@ -139,7 +140,7 @@ def test_a_drafter_with_the_wrong_vocabulary_is_refused(make_target):
         SpecEngine(make_target("qwen2_vl"), WrongVocab())
 
 
-class OracleDrafter:
+class OracleDrafter(PerRequestProposer):
     """A test proposer that drafts from a noisy copy of the target's own distribution.
 
     q = 0.6 * p_target + 0.4 * uniform(SUPPORT), recomputed by a plain forward over the
@@ -161,7 +162,7 @@ class OracleDrafter:
         return {"history": []}
 
     @torch.no_grad()
-    def propose(self, state, update: ContextUpdate, params: SamplingParams, generator) -> DraftBlock:
+    def propose_one(self, state, update: ContextUpdate, params: SamplingParams, generator) -> DraftBlock:
         from vlmspec.sampling import target_probs
 
         state["history"] += update.token_ids.tolist()

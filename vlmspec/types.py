@@ -63,6 +63,17 @@ class ContextUpdate:
 
 
 @dataclass
+class PrefillOutput:
+    """What a host's prefill of one request hands to the step API (``SpecDecoder.start``)."""
+
+    token_ids: torch.Tensor  # [L] int64, the prompt
+    positions: torch.Tensor  # [L] int64, the prompt's 1-D text-stream positions (see vlmspec.target.positions)
+    features: torch.Tensor | None  # [L, m * d_target] hooked target features of the prompt, or None
+    logits: torch.Tensor  # [V] the target's prediction after the last prompt token
+    next_position: int  # 1-D position of the first generated token (prompt length + rope_delta for Qwen-VL)
+
+
+@dataclass
 class DraftBlock:
     """A proposal for a batch of requests.
 
@@ -228,9 +239,10 @@ def _add_counts(total: list[int], counts: Sequence[int]) -> None:
 
 @dataclass
 class GenerationResult:
-    """What ``SpecEngine.generate`` returns."""
+    """What ``SpecEngine.generate`` returns (and ``BatchEngine`` for each request)."""
 
     text: str
     token_ids: list[int]  # generated tokens (EOS included when generation ended on it)
     stats: SpecStats
-    finish_reason: str  # "eos", "stop", or "length"
+    finish_reason: str  # "eos", "stop", or "length"; a BatchEngine request may also end in "abort" or "error"
+    error: BaseException | None = None  # what ended a request with finish_reason "error"

@@ -421,7 +421,7 @@ def test_proposer_follows_the_protocol():
     assert proposer.position_rule == "interpolate"
     state = proposer.new_state()
     for update in updates(drafter, [12, 3, 1]):
-        block = proposer.propose(state, update, SamplingParams(temperature=0.0), torch.Generator().manual_seed(0))
+        block = proposer.propose([state], [update], [SamplingParams(temperature=0.0)], [torch.Generator().manual_seed(0)])
         assert block.tokens.shape == (1, 5) and block.num_tokens.tolist() == [5]
         assert block.draft_probs is None  # greedy: one-hot
         assert block.confidences.shape == (1, 5) and block.confidences.dtype == torch.float32
@@ -431,7 +431,7 @@ def test_proposer_follows_the_protocol():
         state = proposer.new_state()
         for update in updates(drafter, [12, 3]):
             gen = torch.Generator().manual_seed(seed)
-            block = proposer.propose(state, update, SamplingParams(temperature=1.0), gen)
+            block = proposer.propose([state], [update], [SamplingParams(temperature=1.0)], [gen])
         return block
 
     a, b = sampled(7), sampled(7)
@@ -448,13 +448,13 @@ def test_proposer_rejects_updates_without_the_right_features():
     params, gen = SamplingParams(), torch.Generator()
     with pytest.raises(ValueError, match="needs target features"):
         no_features = ContextUpdate(update.token_ids, update.positions, None, 1, 5)
-        proposer.propose(proposer.new_state(), no_features, params, gen)
+        proposer.propose([proposer.new_state()], [no_features], [params], [gen])
     with pytest.raises(ValueError, match=r"expected \(4, 64\)"):
         bad = ContextUpdate(update.token_ids, update.positions, update.features[:, :32], 1, 5)
-        proposer.propose(proposer.new_state(), bad, params, gen)
+        proposer.propose([proposer.new_state()], [bad], [params], [gen])
     # A one-token prompt has no features yet: drafting still works from the anchor alone.
     empty = ContextUpdate(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), None, 3, 0)
-    assert proposer.propose(proposer.new_state(), empty, params, gen).tokens.shape == (1, 5)
+    assert proposer.propose([proposer.new_state()], [empty], [params], [gen]).tokens.shape == (1, 5)
 
 
 def test_bfloat16_target_gives_float32_draft_probs():
@@ -467,5 +467,44 @@ def test_bfloat16_target_gives_float32_draft_probs():
     proposer = DSparkProposer(drafter)
     update = next(updates(make_drafter(), [6]))
     update.features = update.features.to(torch.bfloat16)
-    block = proposer.propose(proposer.new_state(), update, SamplingParams(temperature=1.0), torch.Generator())
+    block = proposer.propose([proposer.new_state()], [update], [SamplingParams(temperature=1.0)], [torch.Generator()])
     assert block.draft_probs.dtype == torch.float32 and block.confidences.dtype == torch.float32
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 12])
+def test_a_batch_of_requests_drafts_what_each_drafts_alone(draft_vocab):
+    """R requests with contexts of different lengths, greedy and sampled mixed, in one propose:
+    each row's tokens, draft_probs and confidences are those of the request proposed alone."""
+    target = StubTarget()
+    drafter = make_drafter(target, draft_vocab_size=draft_vocab)
+    if draft_vocab:
+        drafter.set_draft_vocabulary(torch.arange(3, 3 + draft_vocab))
+    proposer = DSparkProposer(drafter)
+    spans = [[12, 3], [4], [7, 2, 1]]  # three requests' update spans: contexts of 15, 4 and 10 tokens
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.7)]
+
+    def run(rows: list[int]) -> list:
+        """Propose for ``rows`` together, step by step; returns each step's block."""
+        states = {row: proposer.new_state() for row in rows}
+        streams = {row: list(updates(drafter, spans[row])) for row in rows}
+        gens = {row: torch.Generator().manual_seed(100 + row) for row in rows}
+        blocks = []
+        for step in range(max(len(spans[row]) for row in rows)):
+            active = [row for row in rows if step < len(streams[row])]
+            blocks.append((active, proposer.propose([states[r] for r in active], [streams[r][step] for r in active],
+                                                    [params[r] for r in active], [gens[r] for r in active])))  # fmt: skip
+        return blocks
+
+    together = run([0, 1, 2])
+    for row in range(3):
+        alone = run([row])
+        for step, (active, block) in enumerate(together[: len(alone)]):
+            i = active.index(row)
+            single = alone[step][1]
+            assert torch.equal(block.tokens[i], single.tokens[0])
+            torch.testing.assert_close(block.confidences[i], single.confidences[0], atol=1e-5, rtol=1e-5)
+            if params[row].greedy:  # a greedy row's distribution is the one-hot of its drafts
+                assert single.draft_probs is None
+                assert torch.equal(block.draft_probs[i], torch.nn.functional.one_hot(block.tokens[i], 96).float())
+            else:
+                torch.testing.assert_close(block.draft_probs[i], single.draft_probs[0], atol=1e-5, rtol=1e-5)

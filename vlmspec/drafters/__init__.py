@@ -1,7 +1,7 @@
 """Drafters: anything implementing the Proposer protocol (prompt lookup, DSpark)."""
 
-from vlmspec.drafters.base import NoDraft, Proposer
+from vlmspec.drafters.base import NoDraft, PerRequestProposer, Proposer
 from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkProposer
 from vlmspec.drafters.prompt_lookup import PromptLookup
 
-__all__ = ["NoDraft", "Proposer", "PromptLookup", "DSparkConfig", "DSparkDrafter", "DSparkProposer"]
+__all__ = ["NoDraft", "PerRequestProposer", "Proposer", "PromptLookup", "DSparkConfig", "DSparkDrafter", "DSparkProposer"]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from vlmspec.types import DEFAULT_POSITION_RULE, ContextUpdate, DraftBlock, SamplingParams
+from vlmspec.drafters.base import PerRequestProposer
+from vlmspec.types import ContextUpdate, DraftBlock, SamplingParams
 
 
 class PromptLookupState:
@@ -18,16 +19,13 @@ class PromptLookupState:
         self.history = torch.empty(0, dtype=torch.long)  # [L]
 
 
-class PromptLookup:
+class PromptLookup(PerRequestProposer):
     """Proposer that matches the trailing ``max_ngram .. min_ngram`` tokens against the history.
 
     Drafts are deterministic copies, so ``draft_probs`` is None (verification treats
-    them as one-hot) and there are no confidences.
+    them as one-hot) and there are no confidences. Requests are looked up one by one
+    (there is no model forward to share).
     """
-
-    feature_layers: tuple[int, ...] = ()
-    vocab_size = None
-    position_rule = DEFAULT_POSITION_RULE
 
     def __init__(self, max_draft_tokens: int = 8, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if max_draft_tokens < 1:
@@ -41,13 +39,12 @@ class PromptLookup:
     def new_state(self) -> PromptLookupState:
         return PromptLookupState()
 
-    def propose(
+    def propose_one(
         self, state: PromptLookupState, update: ContextUpdate, params: SamplingParams, generator: torch.Generator
     ) -> DraftBlock:
-        anchor = torch.tensor([update.anchor], dtype=torch.long)
-        state.history = torch.cat([state.history, update.token_ids.to(torch.long).cpu(), anchor])
-        continuation = self.lookup(state.history)
-        state.history = state.history[:-1]  # the anchor returns inside the next update's span
+        history = torch.cat([state.history, update.token_ids.to(torch.long).cpu()])
+        continuation = self.lookup(torch.cat([history, torch.tensor([update.anchor], dtype=torch.long)]))
+        state.history = history  # the anchor returns inside the next update's span
         tokens = torch.zeros(1, self.max_draft_tokens, dtype=torch.long)
         tokens[0, : continuation.numel()] = continuation
         return DraftBlock(tokens=tokens, num_tokens=torch.tensor([continuation.numel()]))

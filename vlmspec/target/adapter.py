@@ -30,6 +30,7 @@ from vlmspec.target.inputs import (
 )
 from vlmspec.target.positions import DEFAULT_POSITION_RULE, check_position_rule, text_stream_positions
 from vlmspec.target.processor import load_processor
+from vlmspec.types import PrefillOutput
 
 # model_type -> family name used across vlmspec
 SUPPORTED_MODEL_TYPES = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl"}
@@ -379,6 +380,17 @@ class QwenVLTarget:
         finally:
             for handle in handles:
                 handle.remove()
+
+
+def prefill_output(inputs: TargetInputs, state: RequestState, step: TargetStep) -> PrefillOutput:
+    """What the step API's ``SpecDecoder.start`` needs from a one-request :meth:`QwenVLTarget.prefill`."""
+    return PrefillOutput(
+        token_ids=inputs.input_ids[0].cpu(),
+        positions=step.positions,
+        features=step.features,
+        logits=step.logits[-1],
+        next_position=inputs.length + state.rope_delta,  # decoding continues at cache index + rope_delta
+    )
 
 
 def load_target(

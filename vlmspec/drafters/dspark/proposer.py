@@ -1,22 +1,37 @@
-"""DSparkProposer: a DSpark drafter behind the engine's Proposer protocol.
+"""DSparkProposer: a DSpark drafter behind the engine's Proposer protocol, for R requests at once.
 
-Per request the state is a :class:`DraftContextCache`. Each round ``propose`` appends
-the projected context K/V of the newly committed span (its target features arrive in
-the :class:`~vlmspec.types.ContextUpdate`), then drafts ``gamma`` tokens at positions
-``anchor_position + [0 .. gamma - 1]`` from ``[anchor, MASK x (gamma - 1)]``.
+Per request the state is a :class:`DraftContextCache`. Each step ``propose``:
+
+1. appends to every request's cache the projected context K/V of its newly committed
+   span (its target features arrive in the :class:`~vlmspec.types.ContextUpdate`); the
+   spans of all requests go through the context projection as one packed sequence
+   (it works token by token, so packing changes nothing);
+2. drafts ``gamma`` tokens per request at positions ``anchor_position + [0 .. gamma - 1]``
+   from ``[anchor, MASK x (gamma - 1)]`` in one backbone pass and one LM head GEMM for
+   all requests. Contexts of different lengths are right-padded to the longest and
+   masked, so every row sees exactly its own context (one request: no padding, no mask);
+3. runs the sequential head: greedy rows together, each sampled row on its own with its
+   own temperature and generator, so a request's draws never depend on the others.
 
 The returned ``draft_probs`` are exactly the float32 distributions the tokens were drawn
-from: ``softmax((U_k + B_k) / T)`` with the head's bias; top-k/top-p are not applied to
-drafts (rejection sampling is lossless for any draft distribution). At temperature 0 the
-drafts are the argmax and ``draft_probs`` is None (one-hot).
+from: ``softmax((U_k + B_k) / T)`` with the head's bias, scattered onto the target's
+vocabulary when the drafter uses a reduced one; top-k/top-p are not applied to drafts
+(rejection sampling is lossless for any draft distribution). Greedy rows have the
+one-hot of their argmax drafts (None when every row is greedy).
+
+Steps 2-3 are :meth:`DSparkDrafter.draft` with a padding mask (``draft`` itself takes
+none); they use the drafter's public pieces in the same order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from vlmspec.drafters.base import check_batch
+from vlmspec.drafters.dspark.backbone import ContextKV
 from vlmspec.drafters.dspark.cache import DraftContextCache
 from vlmspec.drafters.dspark.model import DSparkDrafter
 from vlmspec.types import ContextUpdate, DraftBlock, SamplingParams
@@ -44,33 +59,41 @@ class DSparkProposer:
     def new_state(self) -> DSparkState:
         return DSparkState()
 
+    @property
+    def device(self) -> torch.device:
+        return self.drafter.backbone.norm.weight.device
+
     @torch.inference_mode()
     def propose(
         self,
-        state: DSparkState,
-        update: ContextUpdate,
-        params: SamplingParams,
-        generator: torch.Generator,
+        states: Sequence[DSparkState],
+        updates: Sequence[ContextUpdate],
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator],
     ) -> DraftBlock:
-        """Append ``update``'s features to the request's draft cache and draft one block."""
-        self._absorb(state, update)
-        device = self.drafter.backbone.norm.weight.device
-        sample = self.drafter.draft(
-            anchors=torch.tensor([update.anchor], device=device),
-            anchor_positions=torch.tensor([update.anchor_position], device=device),
-            context=state.cache.layers(),
-            temperature=params.temperature,
-            generator=generator,
-        )
-        gamma = sample.tokens.shape[1]
+        """Append each update's features to its request's draft cache and draft one block per request."""
+        check_batch(states, updates, params, generators)
+        features = [self._checked_features(update) for update in updates]  # every update, before any state changes
+        self._absorb(states, updates, features)
+        anchors = torch.tensor([update.anchor for update in updates], device=self.device)  # [R]
+        anchor_positions = torch.tensor([update.anchor_position for update in updates], device=self.device)  # [R]
+        context, mask = self._context(states)
+        drafter = self.drafter
+        hidden = drafter.block_hidden(anchors[:, None], anchor_positions[:, None], context, mask)[:, 0]  # [R, G, d]
+        base = drafter.base_logits(hidden)  # [R, G, N]
+        tokens, probs = self._sample(hidden, base, anchors, params, generators)
+        prev = torch.cat((anchors[:, None], tokens[:, :-1]), dim=1)  # [R, G]
+        confidence = drafter.confidences(hidden, prev)
+        gamma = tokens.shape[1]
         return DraftBlock(
-            tokens=sample.tokens,
-            num_tokens=torch.full((1,), gamma, dtype=torch.long, device=device),
-            draft_probs=sample.probs,
-            confidences=sample.confidences,
+            tokens=tokens,
+            num_tokens=torch.full((len(states),), gamma, dtype=torch.long, device=self.device),
+            draft_probs=probs,
+            confidences=None if confidence is None else torch.sigmoid(confidence),
         )
 
-    def _absorb(self, state: DSparkState, update: ContextUpdate) -> None:
+    # ---------------------------------------------------------------- steps
+    def _checked_features(self, update: ContextUpdate) -> torch.Tensor:  # -> [n, m * d_target]
         n = update.positions.shape[0]
         features = update.features
         if features is None:
@@ -86,6 +109,67 @@ class DSparkProposer:
                 f"(tokens, {len(self.feature_layers)} layers x target hidden size), "
                 "concatenated in feature_layers order"
             )
-        device = self.drafter.backbone.norm.weight.device
-        span = self.drafter.context_kv(features[None].to(device), update.positions[None].to(device))
-        state.cache.append(span)
+        return features
+
+    def _absorb(self, states: Sequence[DSparkState], updates: Sequence[ContextUpdate], features: list[torch.Tensor]) -> None:
+        """Project every request's new span in one packed pass and append each part to its own cache."""
+        device = self.device
+        packed_features = torch.cat([f.to(device) for f in features])[None]  # [1, sum n, m * d]
+        packed_positions = torch.cat([u.positions.to(device) for u in updates])[None]  # [1, sum n]
+        packed = self.drafter.context_kv(packed_features, packed_positions)  # per layer [1, Hkv, sum n, hd]
+        start = 0
+        for state, update in zip(states, updates):
+            stop = start + update.positions.shape[0]
+            state.cache.append([(k[:, :, start:stop], v[:, :, start:stop]) for k, v in packed])
+            start = stop
+
+    def _context(self, states: Sequence[DSparkState]) -> tuple[ContextKV, torch.Tensor | None]:
+        """The requests' contexts as per-layer [R, Hkv, Lmax, hd] and the mask [R, 1, G, Lmax + G] (None: no padding)."""
+        if len(states) == 1:
+            return states[0].cache.layers(), None
+        lengths = torch.tensor([len(state.cache) for state in states], device=self.device)  # [R]
+        longest = int(lengths.max())
+        per_row = [state.cache.layers() for state in states]  # [R] lists of per-layer (k, v) [1, Hkv, L_r, hd]
+        layers = []
+        for layer, (first_k, _) in enumerate(per_row[0]):
+            keys = first_k.new_zeros(len(states), first_k.shape[1], longest, first_k.shape[3])
+            values = torch.zeros_like(keys)
+            for row, row_layers in enumerate(per_row):
+                k, v = row_layers[layer]
+                keys[row, :, : k.shape[2]] = k[0]
+                values[row, :, : v.shape[2]] = v[0]
+            layers.append((keys, values))
+        if bool((lengths == longest).all()):
+            return layers, None
+        block = self.drafter.block_size
+        visible = torch.arange(longest, device=self.device)[None, :] < lengths[:, None]  # [R, Lmax]
+        mask = torch.cat((visible, visible.new_ones(len(states), block)), dim=1)  # [R, Lmax + G]
+        return layers, mask[:, None, None, :].expand(-1, 1, block, -1)
+
+    def _sample(
+        self,
+        hidden: torch.Tensor,  # [R, G, d]
+        base: torch.Tensor,  # [R, G, N] float32
+        anchors: torch.Tensor,  # [R] int64
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # tokens [R, G] int64, probs [R, G, V] float32 or None
+        """The sequential head: greedy rows in one call, each sampled row with its own temperature and generator."""
+        drafter, head, ids = self.drafter, self.drafter.head, self.drafter.draft_token_ids
+        greedy = [row for row, p in enumerate(params) if p.greedy]
+        sampled = [row for row, p in enumerate(params) if not p.greedy]
+        tokens = anchors.new_zeros(len(params), drafter.block_size)
+        if greedy:
+            rows = torch.tensor(greedy, device=self.device)
+            tokens[rows] = head.sample(hidden[rows], base[rows], anchors[rows], ids, 0.0, None).tokens
+        if not sampled:
+            return tokens, None
+        probs = torch.zeros(len(params), drafter.block_size, drafter.config.target_vocab_size, device=self.device)
+        for row in sampled:
+            one = slice(row, row + 1)
+            sample = head.sample(hidden[one], base[one], anchors[one], ids, params[row].temperature, generators[row])
+            tokens[row] = sample.tokens[0]
+            probs[row] = drafter.scatter_to_target(sample.probs)[0]
+        for row in greedy:  # a greedy draft is its own one-hot distribution
+            probs[row].scatter_(1, tokens[row, :, None], 1.0)
+        return tokens, probs

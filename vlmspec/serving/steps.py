@@ -1,0 +1,342 @@
+"""The step API: the calls a host engine makes each step to decode its running requests speculatively.
+
+A host serving engine owns its request queue, its batching and its KV memory; vlmspec
+owns drafting, scheduling and the acceptance rule. For the R requests a host runs in one
+step (R >= 1, any mix of images, text and sampling settings)::
+
+    drafts = decoder.propose(requests)                  # DraftBlock: tokens [R, gamma], confidences [R, gamma]
+    plan = decoder.plan(requests, drafts, room)          # VerifyPlan: input_ids [R, 1 + w], num_inputs [R]
+    logits, features = host_forward(plan)                # the host's forward: [R, 1 + w, V], [R, 1 + w, m * d]
+    accepted = decoder.accept(requests, plan, logits, features)   # Acceptance: keep [R], one RoundRecord each
+    host_rollback(accepted.keep)                         # request r keeps its first keep[r] inputs in its KV
+
+Before its first step, the host runs a request's prompt through the target (prefill) and
+calls ``decoder.start(request, PrefillOutput(...))``, which draws the first token.
+
+What crosses each boundary:
+
+* ``propose``: in, the requests; out, a :class:`~vlmspec.types.DraftBlock` with up to
+  gamma drafts per request (one drafter forward for all of them).
+* ``plan``: in, the drafts and what the host can hold (``room[r]``: most drafts request r
+  may verify, e.g. its KV space left minus one for the anchor); out, a
+  :class:`VerifyPlan`: request r must feed ``input_ids[r, :num_inputs[r]]`` (its anchor,
+  then its scheduled drafts) at the 1-D ``positions[r, :num_inputs[r]]``. The scheduler
+  (any :class:`~vlmspec.scheduling.Scheduler`, Algorithm 1 included) chose the lengths from
+  the [R, gamma] confidences; the forward holds ``plan.num_tokens`` tokens in all.
+* the host's forward: ``logits[r, i]`` is the target's prediction after input i of
+  request r (entries beyond ``num_inputs[r]`` are ignored); ``features[r, i]`` its
+  hooked decoder-layer outputs (layers ``decoder.proposer.feature_layers``,
+  concatenated), or None when the proposer needs none. For Qwen-VL targets every input
+  sits at M-RoPE position ``positions[r, i]`` in all three components.
+* ``accept``: verification (greedy matching or lossless rejection sampling, with request
+  r's own params and generator) and commit: each request appends its accepted drafts and
+  the recovered or bonus token, checks EOS / stop strings / length, and keeps what the
+  proposer absorbs next step. ``keep[r] = accepted + 1`` is how many of request r's inputs
+  stay in its KV cache; the rest must be rolled back (vLLM: decrement the computed tokens).
+
+Requests that finished (``request.finished``) must leave the batch before the next
+``propose``. A request whose own commit raises is finished with reason ``"error"``
+(``request.error`` holds the exception); the other requests of the step are unaffected.
+``propose``, ``plan`` and the verification inside ``accept`` change no request when they
+raise, so a host may retry the step, e.g. request by request to find the one that fails.
+
+``vlmspec.SpecEngine`` (R = 1) and :class:`vlmspec.serving.BatchEngine` are hosts built
+only from these calls. What this module does not know: the target, its cache, M-RoPE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vlmspec.drafters.base import NoDraft, Proposer
+from vlmspec.sampling import sample, target_probs
+from vlmspec.scheduling.base import Scheduler, VerifyAll
+from vlmspec.types import ContextUpdate, DraftBlock, PrefillOutput, RoundRecord, SamplingParams, SpecStats
+from vlmspec.verify import verify_rows
+
+
+@dataclass
+class SpecRequest:
+    """One request as the step API sees it: how it samples and stops, the drafter's state, its output.
+
+    Create with :meth:`SpecDecoder.new_request`. The host keeps its own per-request state
+    (KV cache, positions) beside it.
+    """
+
+    params: SamplingParams
+    generator: torch.Generator  # seeded per request; every draw of this request comes from it
+    max_new_tokens: int
+    eos_token_ids: frozenset[int]
+    stop: tuple[str, ...] = ()
+    tokenizer: Any = None  # decodes the output's tail for stop strings (needed only with stop strings)
+    draft_state: Any = None  # the proposer's own per-request state (proposer.new_state())
+    update: ContextUpdate | None = None  # what the proposer absorbs at the start of the next step
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "eos", "stop", "length", "abort" or "error"
+    error: BaseException | None = None  # why the request failed (finish_reason "error")
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.tokens)
+
+    def commit(self, new_tokens: Sequence[int]) -> list[int]:
+        """Append tokens one by one, stopping exactly where the target alone would stop."""
+        kept = []
+        for token in new_tokens:
+            self.tokens.append(token)
+            kept.append(token)
+            self.finish_reason = self._finish_reason(token)
+            if self.finish_reason:
+                break
+        self.stats.new_tokens = len(self.tokens)
+        return kept
+
+    def finish(self, reason: str, error: BaseException | None = None) -> None:
+        """End the request now (the host's reasons: ``"length"`` at its context limit, ``"abort"``, ``"error"``)."""
+        if self.finish_reason is None:
+            self.finish_reason, self.error = reason, error
+
+    def _finish_reason(self, token: int) -> str | None:
+        if token in self.eos_token_ids:
+            return "eos"
+        if self.stop and self._ends_with_stop():
+            return "stop"
+        if self.remaining <= 0:
+            return "length"
+        return None
+
+    def _ends_with_stop(self) -> bool:
+        # A stop string of c characters spans at most 4c + 2 byte-level tokens; earlier
+        # occurrences were caught when they completed, so only the tail needs decoding.
+        window = 4 * max(len(s) for s in self.stop) + 2
+        tail = self.tokenizer.decode(self.tokens[-window:], skip_special_tokens=True)
+        return any(s in tail for s in self.stop)
+
+
+@dataclass
+class VerifyPlan:
+    """What the host's verification forward must run this step (from :meth:`SpecDecoder.plan`)."""
+
+    drafts: DraftBlock  # everything the proposer drafted: tokens [R, gamma], confidences [R, gamma]
+    block: DraftBlock  # the drafts to verify, cut to the scheduled lengths: tokens [R, w], num_tokens [R]
+    input_ids: torch.Tensor  # [R, 1 + w] int64 (CPU): the anchor, then the scheduled drafts; padding after num_inputs
+    num_inputs: torch.Tensor  # [R] int64 (CPU): 1 + scheduled drafts, the tokens request r feeds
+    positions: torch.Tensor  # [R, 1 + w] int64 (CPU): 1-D text-stream positions of the inputs
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the verification forward, ``B = sum_r (1 + l_r)``."""
+        return int(self.num_inputs.sum())
+
+
+@dataclass
+class Acceptance:
+    """What verification decided and each request committed (from :meth:`SpecDecoder.accept`)."""
+
+    num_accepted: torch.Tensor  # [R] int64 (CPU) leading drafts that survived
+    next_tokens: torch.Tensor  # [R] int64 (CPU) the recovered or bonus token
+    keep: torch.Tensor  # [R] int64 (CPU) inputs request r keeps in its KV cache (accepted + 1); roll back the rest
+    records: list[RoundRecord]  # per request: drafted, verified, accepted, confidences, committed tokens
+
+
+class SpecDecoder:
+    """The step API over one proposer and one scheduler (see the module docstring for a step).
+
+    The decoder holds no request: every call takes the requests it acts on, so a host
+    may batch them as it likes. ``vocab_size`` (the target's) lets the decoder refuse a
+    drafter built for another vocabulary.
+    """
+
+    def __init__(self, proposer: Proposer | None = None, scheduler: Scheduler | None = None,
+                 *, vocab_size: int | None = None) -> None:  # fmt: skip
+        self.proposer = proposer if proposer is not None else NoDraft()
+        self.scheduler = scheduler if scheduler is not None else VerifyAll()
+        if not isinstance(self.proposer, Proposer):
+            raise TypeError(
+                f"{type(self.proposer).__name__} does not implement the Proposer protocol (vlmspec.drafters): "
+                "it needs max_draft_tokens, feature_layers, vocab_size, position_rule, new_state() and "
+                "a batched propose(states, updates, params, generators)"
+            )
+        if not isinstance(self.scheduler, Scheduler):
+            raise TypeError(f"{type(self.scheduler).__name__} does not implement the Scheduler protocol (vlmspec.scheduling)")
+        drafter_vocab = self.proposer.vocab_size
+        if vocab_size is not None and drafter_vocab is not None and drafter_vocab != vocab_size:
+            raise ValueError(
+                f"the drafter's vocabulary ({drafter_vocab} ids) does not match the target's ({vocab_size}); "
+                "use a drafter built for this target (DSparkDrafter.from_target(target, config))"
+            )
+
+    # ------------------------------------------------------------ requests
+    @staticmethod
+    def new_request(
+        *,
+        eos_token_ids: Sequence[int],
+        tokenizer: Any = None,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
+        stop: str | Sequence[str] | None = None,
+        device: str | torch.device = "cpu",
+    ) -> SpecRequest:
+        """A validated request; ``seed`` seeds its own generator (on ``device``), so its draws are its own."""
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if stops and tokenizer is None:
+            raise ValueError("stop strings need the tokenizer that decodes the output: pass tokenizer=...")
+        generator = torch.Generator(device=device).manual_seed(seed)
+        return SpecRequest(params, generator, max_new_tokens, frozenset(eos_token_ids), stops, tokenizer)
+
+    def start(self, request: SpecRequest, prefill: PrefillOutput) -> list[int]:
+        """After the host's prefill: draw the first token, commit it, and open the drafter's state."""
+        if request.update is not None or request.tokens:
+            raise ValueError("start() takes a new request (this one has already started)")
+        logits = prefill.logits.reshape(1, -1)  # [1, V]
+        first = int(sample(target_probs(logits, request.params), [request.generator])[0])
+        committed = request.commit([first])
+        request.draft_state = self.proposer.new_state()
+        request.update = ContextUpdate(
+            token_ids=prefill.token_ids.reshape(-1).cpu(),
+            positions=prefill.positions.reshape(-1).cpu(),
+            features=prefill.features,
+            anchor=first,
+            anchor_position=int(prefill.next_position),
+        )
+        return committed
+
+    # ---------------------------------------------------------------- steps
+    def propose(self, requests: Sequence[SpecRequest]) -> DraftBlock:
+        """Drafts for every request in one proposer call: tokens [R, gamma], num_tokens [R], confidences [R, gamma]."""
+        _check_running(requests)
+        drafts = self.proposer.propose(
+            [r.draft_state for r in requests], [r.update for r in requests],
+            [r.params for r in requests], [r.generator for r in requests],
+        )  # fmt: skip
+        if drafts.tokens.dim() != 2 or drafts.tokens.shape[0] != len(requests):
+            raise ValueError(
+                f"{type(self.proposer).__name__}.propose returned tokens of shape {tuple(drafts.tokens.shape)} "
+                f"for {len(requests)} requests; a proposer returns one row per request"
+            )
+        return drafts
+
+    def plan(
+        self,
+        requests: Sequence[SpecRequest],
+        drafts: DraftBlock,
+        room: torch.Tensor | Sequence[int] | None = None,  # [R] most drafts each request may verify
+    ) -> VerifyPlan:
+        """Schedule how many drafts each request verifies and lay out the verification inputs.
+
+        The scheduler sees every drafted confidence and, as drafted counts, what each
+        request can take: its drafts, cut to ``room[r]`` and to its ``max_new_tokens``
+        (a request one token short of its limit verifies only its anchor). Both bounds
+        are known before any draft is sampled, so the cut keeps scheduling causal.
+        """
+        _check_running(requests)
+        limit = torch.tensor([max(r.remaining - 1, 0) for r in requests], dtype=torch.long)  # [R]
+        if room is not None:
+            room = torch.as_tensor(room, dtype=torch.long).cpu()
+            if room.shape != limit.shape:
+                raise ValueError(f"room must hold one count per request ([{len(requests)}]), got shape {tuple(room.shape)}")
+            limit = torch.minimum(limit, room.clamp(min=0))
+        drafted = drafts.num_tokens.cpu()
+        schedulable = torch.minimum(drafted, limit)  # [R]
+        lengths = self.scheduler.schedule(drafts.confidences, schedulable.to(drafts.num_tokens.device))
+        lengths = torch.as_tensor(lengths).cpu()
+        if lengths.shape != schedulable.shape or bool(((lengths < 0) | (lengths > schedulable)).any()):
+            raise ValueError(
+                f"{type(self.scheduler).__name__}.schedule returned {lengths.tolist()} for drafted counts "
+                f"{schedulable.tolist()}; a scheduler returns [R] lengths with 0 <= length <= drafted"
+            )
+        block = drafts.truncated(lengths)
+        anchors = torch.tensor([r.update.anchor for r in requests], dtype=torch.long)  # [R]
+        anchor_positions = torch.tensor([r.update.anchor_position for r in requests], dtype=torch.long)  # [R]
+        return VerifyPlan(
+            drafts=drafts,
+            block=block,
+            input_ids=torch.cat((anchors[:, None], block.tokens.cpu()), dim=1),
+            num_inputs=1 + block.num_tokens.cpu(),
+            positions=anchor_positions[:, None] + torch.arange(1 + block.gamma),
+        )
+
+    def accept(
+        self,
+        requests: Sequence[SpecRequest],
+        plan: VerifyPlan,
+        logits: torch.Tensor,  # [R, 1 + w, V] the host's target logits for the plan's inputs
+        features: torch.Tensor | None = None,  # [R, 1 + w, m * d] hooked features of those inputs, or None
+    ) -> Acceptance:
+        """Verify every request's drafts against the target's logits and commit the outcome."""
+        width = plan.input_ids.shape[1]
+        if logits.dim() != 3 or tuple(logits.shape[:2]) != (len(requests), width):
+            raise ValueError(
+                f"logits must be [R, 1 + w, V] = [{len(requests)}, {width}, V] (one entry per planned input), "
+                f"got {tuple(logits.shape)}"
+            )
+        if features is not None and tuple(features.shape[:2]) != (len(requests), width):
+            raise ValueError(f"features must be [R, 1 + w, m * d] = [{len(requests)}, {width}, ...], got {tuple(features.shape)}")
+        block = _on(plan.block, logits.device)
+        result = verify_rows(block, logits, [r.params for r in requests], [r.generator for r in requests])
+        num_accepted, next_tokens = result.num_accepted.cpu(), result.next_tokens.cpu()
+        records = [
+            self._commit(request, plan, row, int(num_accepted[row]), int(next_tokens[row]), features)
+            for row, request in enumerate(requests)
+        ]
+        return Acceptance(num_accepted, next_tokens, keep=num_accepted + 1, records=records)
+
+    def _commit(self, request: SpecRequest, plan: VerifyPlan, row: int, accepted: int, next_token: int,
+                features: torch.Tensor | None) -> RoundRecord:  # fmt: skip
+        """Commit one request's round; a failure here ends only this request (finish_reason "error")."""
+        drafted, verified = int(plan.drafts.num_tokens[row]), int(plan.block.num_tokens[row])
+        committed: list[int] = []
+        try:
+            request.stats.record_round(drafted=drafted, verified=verified, accepted=accepted)
+            committed = request.commit(plan.input_ids[row, 1 : accepted + 1].tolist() + [next_token])
+            kept = slice(0, accepted + 1)  # the anchor and the accepted drafts now have target features
+            request.update = ContextUpdate(
+                token_ids=plan.input_ids[row, kept].clone(),
+                positions=plan.positions[row, kept].clone(),
+                features=None if features is None else features[row, kept],
+                anchor=committed[-1],
+                anchor_position=int(plan.positions[row, accepted]) + 1,
+            )
+        except Exception as err:  # noqa: BLE001 - isolated to this request, reported on it
+            request.finish("error", err)
+        return RoundRecord(drafted, verified, accepted, _row_confidences(plan.drafts.confidences, row), committed)
+
+
+def _check_running(requests: Sequence[SpecRequest]) -> None:
+    if not requests:
+        raise ValueError("a step needs at least one request")
+    for request in requests:
+        if request.update is None:
+            raise ValueError("a request takes part in steps only after start(request, prefill)")
+        if request.finished:
+            raise ValueError(f"a finished request ({request.finish_reason}) must leave the batch before the next step")
+
+
+def _on(block: DraftBlock, device: torch.device) -> DraftBlock:
+    """The block's tensors on ``device`` (a proposer may draft on the CPU for a GPU target)."""
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return DraftBlock(move(block.tokens), move(block.num_tokens), move(block.draft_probs), move(block.confidences))
+
+
+def _row_confidences(confidences: torch.Tensor | None, row: int) -> torch.Tensor | None:
+    """Row ``row`` of ``confidences`` [R, gamma] as a float32 CPU copy [gamma] (the proposer may reuse its buffer)."""
+    return None if confidences is None else confidences[row].detach().to("cpu", torch.float32, copy=True)
