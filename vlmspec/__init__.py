@@ -1,10 +1,13 @@
 """vlmspec: lossless speculative decoding (DSpark) for Qwen-VL models.
 
-The public face: the engine, the target adapter, the protocols and the schedulers.
+The public face: the engines (one request, many concurrent requests), the step API host
+engines embed, the target adapter, the protocols and the schedulers.
 """
 
-from vlmspec.drafters import DSparkConfig, DSparkDrafter, NoDraft, PromptLookup, Proposer
+from vlmspec.drafters import DSparkConfig, DSparkDrafter, NoDraft, PerRequestProposer, PromptLookup, Proposer
 from vlmspec.engine import SpecEngine
+from vlmspec.serving.engine import BatchEngine, StepOutput
+from vlmspec.serving.steps import SpecDecoder, SpecRequest
 from vlmspec.scheduling import (
     LaggedTopKScheduler,
     PrefixScheduler,
@@ -22,10 +25,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "SpecEngine",
+    "BatchEngine",
+    "StepOutput",
+    "SpecDecoder",
+    "SpecRequest",
     "QwenVLTarget",
     "load_target",
     "Proposer",
     "NoDraft",
+    "PerRequestProposer",
     "PromptLookup",
     "DSparkConfig",
     "DSparkDrafter",

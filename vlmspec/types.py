@@ -93,6 +93,12 @@ class DraftBlock:
     def gamma(self) -> int:
         return self.tokens.shape[1]
 
+    def select(self, rows: torch.Tensor | Sequence[int]) -> DraftBlock:
+        """The block of the requests in ``rows`` ([b] indices, in that order)."""
+        index = torch.as_tensor(rows, dtype=torch.long)
+        pick = lambda t: None if t is None else t[index.to(t.device)]  # noqa: E731
+        return DraftBlock(pick(self.tokens), pick(self.num_tokens), pick(self.draft_probs), pick(self.confidences))
+
     def truncated(self, lengths: torch.Tensor) -> DraftBlock:
         """The block cut to ``min(num_tokens, lengths)`` drafts per request: the slots the target will verify.
 

@@ -78,16 +78,11 @@ def verify_rows(
     for group in dict.fromkeys(params):
         rows = [r for r, p in enumerate(params) if p == group]
         index = torch.tensor(rows, device=device)
-        result = verify(_rows_of(block, index), target_logits[index.to(target_logits.device)], group,
+        result = verify(block.select(index), target_logits[index.to(target_logits.device)], group,
                         [generators[r] for r in rows])  # fmt: skip
         num_accepted[index] = result.num_accepted.to(device)
         next_tokens[index] = result.next_tokens.to(device)
     return VerifyResult(num_accepted=num_accepted, next_tokens=next_tokens)
-
-
-def _rows_of(block: DraftBlock, index: torch.Tensor) -> DraftBlock:  # index [b] int64 -> a block of b rows
-    pick = lambda t: None if t is None else t[index.to(t.device)]  # noqa: E731
-    return DraftBlock(pick(block.tokens), pick(block.num_tokens), pick(block.draft_probs), pick(block.confidences))
 
 
 def verify_greedy(

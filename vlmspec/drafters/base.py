@@ -57,7 +57,9 @@ class Proposer(Protocol):
         for request r comes from ``generators[r]``, so a request's drafts do not depend
         on the other requests in the batch. A propose that raises should leave every
         state as it was (validate all updates before changing any state): the engine
-        then retries the requests one by one to find the one that fails.
+        then proposes for each request alone to find the one that fails, and a state
+        that had already absorbed its update would absorb it twice (which costs draft
+        quality, never correctness: every draft is verified).
         """
         ...
 

@@ -1,0 +1,223 @@
+"""BatchEngine: many concurrent requests, each with exactly the output it gets alone.
+
+Greedy outputs are compared token for token (float32) with each request's own batch-1
+target-alone output, while requests join and leave mid-way. A scripted drafter proposes
+each request's true continuation with a mistake at a position that changes every round,
+so rows accept different numbers of drafts and roll back different amounts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlmspec.drafters.base import PerRequestProposer
+from vlmspec.drafters.prompt_lookup import PromptLookup
+from vlmspec.engine import SpecEngine
+from vlmspec.serving import BatchEngine
+from vlmspec.types import ContextUpdate, DraftBlock, SamplingParams
+
+PROMPTS = ["Describe the picture.", "Write a haiku about rain.", "Compare the two pictures.", "Count from one to ten.", "Hi"]
+
+
+class ScriptedDrafter(PerRequestProposer):
+    """Drafts each request's known answer, wrong from position ``round % (gamma + 1)`` on.
+
+    ``answers`` maps a prompt (its token ids) to the target-alone output. Round k of a
+    request keeps ``k % (gamma + 1)`` correct drafts, then proposes a wrong token, so every
+    acceptance length from 0 to gamma occurs.
+    """
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]], gamma: int = 3) -> None:
+        self.answers = answers
+        self.max_draft_tokens = gamma
+
+    def new_state(self) -> dict:
+        return {"answer": None, "generated": 0, "round": 0}
+
+    def propose_one(self, state, update: ContextUpdate, params: SamplingParams, generator) -> DraftBlock:
+        if state["answer"] is None:
+            state["answer"] = self.answers[tuple(update.token_ids.tolist())]
+        else:
+            state["generated"] += update.token_ids.shape[0]
+        done = state["generated"] + 1  # tokens the request has committed, the anchor included
+        truth = state["answer"][done : done + self.max_draft_tokens]
+        drafts = list(truth)
+        right = state["round"] % (self.max_draft_tokens + 1)
+        if right < len(drafts):
+            drafts[right] = (drafts[right] + 1) % 1000
+        state["round"] += 1
+        return DraftBlock(torch.tensor([drafts], dtype=torch.long).reshape(1, -1), torch.tensor([len(drafts)]))
+
+
+def request_list(astronaut, coffee, lengths=(12, 20, 6, 16, 9)):
+    picture = astronaut.resize((96, 96))
+    images = [picture, None, [picture, coffee], None, None]
+    return [dict(images=image, prompt=prompt, max_new_tokens=n) for image, prompt, n in zip(images, PROMPTS, lengths)]
+
+
+def alone_outputs(target, requests) -> list[list[int]]:
+    """Each request's batch-1 target-alone greedy output (tests/test_engine.py ties it to transformers')."""
+    engine = SpecEngine(target)
+    return [engine.generate(r.get("images"), r["prompt"], max_new_tokens=r["max_new_tokens"], speculative=False).token_ids
+            for r in requests]  # fmt: skip
+
+
+def scripted(target, requests, expected, gamma=3) -> ScriptedDrafter:
+    prompts = [tuple(target.build_inputs(r.get("images"), r["prompt"]).input_ids[0].tolist()) for r in requests]
+    return ScriptedDrafter(dict(zip(prompts, expected)), gamma)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_greedy_outputs_equal_each_request_alone_as_requests_join_and_leave(make_target, family, astronaut, coffee):
+    target = make_target(family)
+    requests = request_list(astronaut, coffee)
+    expected = alone_outputs(target, requests)
+    engine = BatchEngine(target, scripted(target, requests, expected), max_batch_size=3)  # 5 requests, 3 rows
+    results = engine.generate_many(requests)
+    assert [r.token_ids for r in results] == expected
+    assert all(r.finish_reason == "length" for r in results)
+    verified = [n for r in results for n in r.stats.verified_lengths]
+    accepted = sum(r.stats.accepted for r in results)
+    assert 0 < accepted < sum(verified) and len(set(verified)) > 2  # ragged: rows verified and kept different counts
+    assert not engine.has_unfinished and engine.num_running == 0
+
+
+def test_step_by_step_with_joins_leaves_and_an_abort(make_target, astronaut, coffee):
+    target = make_target("qwen2_vl")
+    requests = request_list(astronaut, coffee, lengths=(10, 14, 5, 12, 8))
+    expected = alone_outputs(target, requests)
+    engine = BatchEngine(target, scripted(target, requests, expected))
+    streamed: dict[str, list[int]] = {}
+    ids = [engine.add_request(**requests[0]), engine.add_request(**requests[1])]
+    for step in range(12):
+        if step == 2:
+            ids.append(engine.add_request(**requests[2]))  # joins while two run
+        if step == 3:
+            ids += [engine.add_request(**requests[3]), engine.add_request(**requests[4])]
+        if step == 5:
+            assert engine.abort(ids[3]) and not engine.abort(ids[3])
+        for out in engine.step():
+            streamed.setdefault(out.request_id, []).extend(out.tokens)
+    while engine.has_unfinished:
+        for out in engine.step():
+            streamed.setdefault(out.request_id, []).extend(out.tokens)
+    for i, request_id in enumerate(ids):
+        result = engine.result(request_id)
+        assert streamed[request_id] == result.token_ids
+        if i == 3:
+            assert result.finish_reason == "abort" and result.token_ids == expected[3][: len(result.token_ids)]
+        else:
+            assert result.token_ids == expected[i] and result.finish_reason == "length"
+
+
+def test_prompt_lookup_and_the_target_alone_batched_are_lossless(make_target, astronaut, coffee):
+    target = make_target("qwen3_vl")
+    requests = request_list(astronaut, coffee)
+    requests[3]["prompt"] = "Repeat after me: one two three four five six seven eight. " * 3
+    expected = alone_outputs(target, requests)
+    for proposer in (PromptLookup(max_draft_tokens=4), None):
+        results = BatchEngine(target, proposer, max_batch_size=4).generate_many(requests)
+        assert [r.token_ids for r in results] == expected
+    alone = BatchEngine(target).generate_many(requests[:2])
+    assert all(r.stats.tau == 1.0 for r in alone)
+
+
+def test_eos_and_stop_strings_end_requests_where_the_target_alone_ends(make_target):
+    target = make_target("qwen3_vl")
+    prompt = "Say something long and repetitive. " * 3
+    reference = SpecEngine(target).generate(None, prompt, max_new_tokens=30, speculative=False).token_ids
+    text = target.tokenizer.decode(reference, skip_special_tokens=True)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    requests = [dict(prompt=prompt, max_new_tokens=30, stop=[stop]), dict(prompt=prompt, max_new_tokens=30)]
+    engine = BatchEngine(target, PromptLookup(max_draft_tokens=6))
+    alone = SpecEngine(target).generate(None, prompt, max_new_tokens=30, stop=[stop], speculative=False)
+    stopped, full = engine.generate_many(requests)
+    assert stopped.token_ids == alone.token_ids and stopped.finish_reason == "stop" and full.token_ids == reference
+
+
+def test_a_seed_gives_the_same_sample_whatever_else_is_in_the_batch(make_target, astronaut):
+    from test_engine import OracleDrafter  # drafts from a noisy copy of the target: sampled drafts, some accepted
+
+    target = make_target("qwen2_5_vl")
+    mine = dict(images=None, prompt="Tell me a story about a fox.", max_new_tokens=16, temperature=0.9, top_p=0.95, seed=11)
+    engine = BatchEngine(target, OracleDrafter(target, gamma=3))
+    alone = engine.generate_many([mine])[0].token_ids
+    assert alone == SpecEngine(target, OracleDrafter(target, gamma=3)).generate(
+        None, mine["prompt"], max_new_tokens=16, temperature=0.9, top_p=0.95, seed=11).token_ids  # fmt: skip
+    others = [dict(images=astronaut.resize((64, 64)), prompt="Describe it.", max_new_tokens=12, temperature=1.0, seed=3),
+              dict(prompt="Hi", max_new_tokens=20), dict(prompt="Write a poem.", max_new_tokens=6, temperature=0.5, seed=11)]
+    first = engine.add_request(**others[0])
+    engine.step()
+    engine.step()  # the request joins a batch already two steps in, then others join and leave around it
+    ids = [engine.add_request(**mine), engine.add_request(**others[1]), engine.add_request(**others[2])]
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.result(ids[0]).token_ids == alone
+    assert engine.result(first).finish_reason == "length"
+
+
+def test_bad_input_is_refused_and_running_requests_go_on(make_target, astronaut, coffee):
+    target = make_target("qwen2_vl")
+    requests = request_list(astronaut, coffee)[:2]
+    expected = alone_outputs(target, requests)
+    engine = BatchEngine(target, scripted(target, requests, expected), max_batch_size=4)
+    ids = [engine.add_request(**r) for r in requests]
+    engine.step()
+    bad = [
+        (dict(images="/no/such/image.png", prompt="Hi"), FileNotFoundError, "not found"),
+        (dict(images=b"not an image", prompt="Hi"), ValueError, "not a readable image"),
+        (dict(prompt=""), ValueError, "empty"),
+        (dict(prompt="Hi", temperature=-1.0), ValueError, "temperature"),
+        (dict(prompt="Hi", max_new_tokens=0), ValueError, "max_new_tokens"),
+        (dict(prompt="Hi", seed=1.5), ValueError, "seed"),
+        (dict(prompt="word " * 3000), ValueError, "context"),
+        (dict(prompt="Hi", request_id=ids[0]), ValueError, "already in use"),
+    ]
+    for kwargs, error, match in bad:
+        with pytest.raises(error, match=match):
+            engine.add_request(**kwargs)
+        engine.step()
+    with pytest.raises(ValueError, match="unknown request options"):
+        engine.generate_many([dict(prompt="Hi"), dict(prompt="Hi", temprature=0.5)])
+    while engine.has_unfinished:
+        engine.step()
+    assert [engine.result(i).token_ids for i in ids] == expected
+    with pytest.raises(KeyError, match="unknown"):
+        engine.result("nobody")
+    with pytest.raises(ValueError, match="max_batch_size"):
+        BatchEngine(target, max_batch_size=0)
+
+
+class FaultyDrafter(ScriptedDrafter):
+    """The scripted drafter, except that one request breaks at its third round: its propose raises
+    (``fault="propose"``) or it drafts a token id the target has no embedding for (``fault="forward"``)."""
+
+    def __init__(self, answers, poisoned: tuple[int, ...], fault: str) -> None:
+        super().__init__(answers)
+        self.poisoned, self.fault = poisoned, fault
+
+    def propose_one(self, state, update, params, generator):
+        poisoned = state.get("poisoned", tuple(update.token_ids.tolist()) == self.poisoned)
+        state["poisoned"] = poisoned
+        if poisoned and state["round"] == 2:
+            if self.fault == "propose":
+                raise RuntimeError("injected drafter failure")
+            state["round"] += 1
+            return DraftBlock(torch.tensor([[10**9]]), torch.tensor([1]))
+        return super().propose_one(state, update, params, generator)
+
+
+@pytest.mark.parametrize("fault", ["propose", "forward"])
+def test_an_exception_in_one_requests_step_does_not_lose_the_others(make_target, astronaut, coffee, fault):
+    target = make_target("qwen2_vl")
+    requests = request_list(astronaut, coffee)[:4]
+    expected = alone_outputs(target, requests)
+    drafter = scripted(target, requests, expected)
+    poisoned = tuple(target.build_inputs(None, requests[1]["prompt"]).input_ids[0].tolist())
+    engine = BatchEngine(target, FaultyDrafter(drafter.answers, poisoned, fault))
+    results = engine.generate_many(requests)
+    broken = results[1]
+    assert broken.finish_reason == "error" and broken.error is not None
+    assert broken.token_ids == expected[1][: len(broken.token_ids)]
+    assert [r.token_ids for i, r in enumerate(results) if i != 1] == [e for i, e in enumerate(expected) if i != 1]

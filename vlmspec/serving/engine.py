@@ -1,0 +1,346 @@
+"""BatchEngine: continuous batching of speculative requests, built only from the step API.
+
+The host-engine shape of nano-vllm (``add_request`` / ``step`` / ``abort``), with
+vlmspec's own target forward as the "model runner": a :class:`~vlmspec.target.ragged.RaggedBatch`
+that verifies every request's anchor plus its scheduled drafts in one packed forward.
+Each :meth:`BatchEngine.step`:
+
+1. admits waiting requests while fewer than ``max_batch_size`` run: each one's prompt
+   (with its images) is prefilled on its own and its first token drawn
+   (:func:`vlmspec.engine.prefill_request`), then its KV joins the ragged batch;
+2. runs one step of the step API for all running requests: one drafter call
+   (``decoder.propose``), one scheduler call on the [R, gamma] confidences
+   (``decoder.plan``), one target forward (``RaggedBatch.verify``), then
+   ``decoder.accept`` and the per-row rollback (``RaggedBatch.advance``);
+3. retires finished requests (EOS, stop string, length, abort, error): their rows leave
+   the batch, their results wait in :meth:`BatchEngine.result`.
+
+Each request keeps its own rope_delta, committed length and rollback (in its batch row),
+its own 1-D drafter positions and drafter state, its own sampling params and seeded
+generator: its output is the one it gets alone, greedy token for token and sampled with
+the same seed (float rounding apart, see ``tests/serving``).
+
+Failures stay with their request. Bad input to :meth:`add_request` raises before
+anything is queued. A prefill that fails ends that request with ``finish_reason
+"error"``. When a decode step raises before its commit, no request has changed
+(scheduling and the target forward commit nothing; the ragged batch only ever writes past
+each row's committed length), so the engine reruns the step one request at a time, with
+the drafts already made (or, if drafting itself failed, drafting each request alone): a
+request that fails alone ends with ``"error"`` (``result(id).error`` says why), the
+others go on. A failure in one request's commit ends only that request. If every request
+succeeds alone, the failure was the batch's (e.g. an SPS table too small for R
+requests): the step still completes, with a RuntimeWarning that says why.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+import warnings
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vlmspec.drafters.base import Proposer
+from vlmspec.engine import context_room, end_at_context, load_proposer, prefill_request
+from vlmspec.scheduling.base import Scheduler
+from vlmspec.serving.steps import SpecDecoder, SpecRequest
+from vlmspec.target.adapter import QwenVLTarget, load_target
+from vlmspec.target.inputs import ImageLike, TargetInputs
+from vlmspec.target.ragged import RaggedBatch
+from vlmspec.types import DraftBlock, GenerationResult, RoundRecord
+
+# add_request's keyword arguments, which generate_many accepts per request
+REQUEST_OPTIONS = ("images", "prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop",
+                   "request_id")  # fmt: skip
+
+
+@dataclass
+class StepOutput:
+    """What one request did in one :meth:`BatchEngine.step`."""
+
+    request_id: str
+    tokens: list[int]  # committed this step: the first token after its prefill, or a round's tokens
+    finish_reason: str | None  # set when the request ended in this step
+    record: RoundRecord | None  # the round's record (None for the prefill's first token and for failures)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Entry:
+    """A request inside the engine: its step-API request, its inputs until prefilled, its timing."""
+
+    request_id: str
+    request: SpecRequest
+    inputs: TargetInputs | None
+    added_s: float  # perf_counter() at add_request
+
+
+class BatchEngine:
+    """Many concurrent requests, speculative decoding in shared drafter and target forwards.
+
+    >>> engine = BatchEngine.from_pretrained("reference", drafter="reference", max_batch_size=16)
+    >>> ids = [engine.add_request(None, q, max_new_tokens=64) for q in questions]
+    >>> while engine.has_unfinished:
+    ...     for out in engine.step():
+    ...         print(out.request_id, out.tokens)
+    >>> engine.result(ids[0]).text
+
+    ``generate_many`` does the loop for a list of requests. Without a proposer the engine
+    batches the target alone (one token per request per step) through the same code.
+    """
+
+    def __init__(
+        self,
+        target: QwenVLTarget,
+        proposer: Proposer | None = None,
+        scheduler: Scheduler | None = None,
+        *,
+        max_batch_size: int = 32,
+    ) -> None:
+        if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        self.target = target
+        self.decoder = SpecDecoder(proposer, scheduler, vocab_size=target.vocab_size)
+        self.max_batch_size = max_batch_size
+        self._batch = RaggedBatch(target, feature_layers=self.decoder.proposer.feature_layers)
+        self._waiting: deque[_Entry] = deque()
+        self._running: list[_Entry] = []  # _running[row] holds the request in ragged row `row`
+        self._results: dict[str, GenerationResult] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target_dir: str | os.PathLike,
+        drafter: str | os.PathLike | Proposer | None = None,
+        *,
+        scheduler: Scheduler | None = None,
+        max_batch_size: int = 32,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+    ) -> "BatchEngine":
+        """A target (directory, ``"reference"``, ``tiny:FAMILY``) and a drafter, as for ``SpecEngine.from_pretrained``."""
+        target = load_target(target_dir, dtype=dtype, device=device)
+        return cls(target, load_proposer(drafter, target), scheduler, max_batch_size=max_batch_size)
+
+    @property
+    def proposer(self) -> Proposer:
+        return self.decoder.proposer
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.decoder.scheduler
+
+    # ------------------------------------------------------------ requests
+    def add_request(
+        self,
+        images: ImageLike | Sequence[ImageLike] | None = None,
+        prompt: str | None = None,
+        *,
+        messages: list[dict] | None = None,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
+        stop: str | Sequence[str] | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request (arguments as for ``SpecEngine.generate``); returns its id.
+
+        Everything is validated here, before the request is queued, so bad input raises
+        a clear error and the running requests never notice.
+        """
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if self._known(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use; pick another or let the engine choose")
+        request = self.decoder.new_request(
+            eos_token_ids=self.target.eos_token_ids, tokenizer=self.target.tokenizer, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop, device=self.target.device,
+        )  # fmt: skip
+        inputs = self.target.build_inputs(images, prompt, messages=messages)
+        self._waiting.append(_Entry(request_id, request, inputs, time.perf_counter()))
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """End a waiting or running request now (``finish_reason "abort"``); False if it is not unfinished here."""
+        for entry in itertools.chain(self._waiting, self._running):
+            if entry.request_id == request_id:
+                entry.request.finish("abort")
+                self._retire()
+                return True
+        return False
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def result(self, request_id: str, *, pop: bool = False) -> GenerationResult:
+        """The result of a finished request (``pop=True`` also forgets it)."""
+        if request_id not in self._results:
+            state = "still unfinished" if self._known(request_id) else "unknown"
+            raise KeyError(f"request {request_id!r} is {state}; results exist once a request has finished")
+        return self._results.pop(request_id) if pop else self._results[request_id]
+
+    def generate_many(self, requests: Iterable[Mapping[str, Any]]) -> list[GenerationResult]:
+        """Run every request (each a dict of :meth:`add_request` arguments) to the end; results in order.
+
+        All requests are validated before any runs: a bad one raises and queues none.
+        Other requests already in the engine run alongside and keep their results.
+        """
+        ids = []
+        try:
+            for options in requests:
+                unknown = set(options) - set(REQUEST_OPTIONS)
+                if unknown:
+                    raise ValueError(f"unknown request options {sorted(unknown)}; use {', '.join(REQUEST_OPTIONS)}")
+                ids.append(self.add_request(**options))
+        except Exception:
+            for request_id in ids:
+                self.abort(request_id)
+                self._results.pop(request_id, None)
+            raise
+        while any(request_id not in self._results for request_id in ids):
+            self.step()
+        return [self._results.pop(request_id) for request_id in ids]
+
+    # ---------------------------------------------------------------- steps
+    def step(self) -> list[StepOutput]:
+        """Admit waiting requests, run one speculative step for all running ones, retire the finished."""
+        outputs = self._admit()
+        if self._running:
+            outputs += self._decode()
+        return outputs
+
+    def _admit(self) -> list[StepOutput]:
+        """Prefill waiting requests one at a time while there is room in the batch."""
+        outputs = []
+        while self._waiting and len(self._running) < self.max_batch_size:
+            entry = self._waiting.popleft()
+            request, committed = entry.request, []
+            try:
+                state = prefill_request(self.target, self.decoder, request, entry.inputs)
+                committed = list(request.tokens)
+                if not request.finished:
+                    self._batch.add(state)
+                    self._running.append(entry)
+            except Exception as err:  # noqa: BLE001 - only this request's own prefill failed
+                request.finish("error", err)
+            entry.inputs = None  # the processor outputs (pixels) are not needed any more
+            outputs.append(StepOutput(entry.request_id, committed, request.finish_reason, None))
+            if request.finished:
+                self._store(entry)
+        return outputs
+
+    def _decode(self) -> list[StepOutput]:
+        """One step for every running request; if it fails, once for each request alone."""
+        rows = list(range(len(self._running)))
+        drafts = None
+        try:
+            tick = time.perf_counter()
+            drafts = self.decoder.propose([entry.request for entry in self._running])
+            outputs = self._step(rows, drafts, time.perf_counter() - tick)
+        except Exception as batch_error:  # noqa: BLE001 - nothing was committed: find the request that fails
+            outputs = self._isolate(rows, drafts, batch_error)
+        self._retire()
+        return outputs
+
+    def _isolate(self, rows: list[int], drafts: DraftBlock | None, batch_error: Exception) -> list[StepOutput]:
+        """Rerun a failed step request by request (with the drafts already made, if drafting succeeded)."""
+        outputs, failed = [], 0
+        for row in rows:
+            entry = self._running[row]
+            try:
+                tick = time.perf_counter()
+                own = drafts.select([row]) if drafts is not None else self.decoder.propose([entry.request])
+                outputs += self._step([row], own, time.perf_counter() - tick)
+            except Exception as err:  # noqa: BLE001
+                entry.request.finish("error", err)
+                outputs.append(StepOutput(entry.request_id, [], "error", None))
+                failed += 1
+        if not failed:  # not one request's fault: say so, or the engine would silently run one by one
+            warnings.warn(
+                f"a step of {len(rows)} requests failed, but every request succeeded alone, so the step ran "
+                f"them one at a time: {batch_error!r}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return outputs
+
+    def _step(self, rows: list[int], drafts: DraftBlock, draft_s: float) -> list[StepOutput]:
+        """The step API after drafting, for the requests in ``rows`` of the ragged batch (the other rows sit it out).
+
+        drafts: the proposer's block for exactly these requests ([len(rows), gamma]), made in ``draft_s`` seconds.
+        """
+        entries = [self._running[row] for row in rows]
+        requests = [entry.request for entry in entries]
+        index = torch.tensor(rows, dtype=torch.long)  # [R'] rows taking part
+        tick = time.perf_counter()
+        room = [context_room(self.target, int(length)) for length in self._batch.lengths[index]]
+        plan = self.decoder.plan(requests, drafts, room)
+        tock = time.perf_counter()
+
+        width = plan.input_ids.shape[1]
+        tokens = torch.zeros(self._batch.num_rows, width, dtype=torch.long)  # [R, 1 + w]
+        num_tokens = torch.zeros(self._batch.num_rows, dtype=torch.long)  # [R]
+        tokens[index], num_tokens[index] = plan.input_ids, plan.num_inputs
+        step = self._batch.verify(tokens, num_tokens)
+        real = torch.arange(width) < plan.num_inputs[:, None]  # [R', 1 + w]
+        assert torch.equal(step.positions[index][real], plan.positions[real]), "target and drafter positions disagree"
+        features = None if step.features is None else step.features[index.to(step.features.device)]
+        accepted = self.decoder.accept(requests, plan, step.logits[index.to(step.logits.device)], features)
+        keep = torch.zeros(self._batch.num_rows, dtype=torch.long)
+        keep[index] = accepted.keep
+        self._batch.advance(keep)
+        done = time.perf_counter()
+
+        outputs = []
+        for entry, row, record in zip(entries, rows, accepted.records):
+            stats = entry.request.stats
+            stats.draft_s += draft_s + tock - tick
+            stats.verify_s += done - tock
+            end_at_context(self.target, entry.request, int(self._batch.lengths[row]))
+            outputs.append(StepOutput(entry.request_id, record.tokens, entry.request.finish_reason, record))
+        return outputs
+
+    def _retire(self) -> None:
+        """Finished requests leave: waiting ones from the queue, running ones from their batch rows."""
+        for entry in [e for e in self._waiting if e.request.finished]:
+            self._waiting.remove(entry)
+            self._store(entry)
+        for row in reversed(range(len(self._running))):  # highest first: the row moved into a hole is unfinished
+            entry = self._running[row]
+            if entry.request.finished:
+                moved = self._batch.remove(row)
+                if moved is not None:
+                    self._running[row] = self._running[moved]
+                self._running.pop()
+                self._store(entry)
+
+    def _store(self, entry: _Entry) -> None:
+        request = entry.request
+        request.stats.total_s = time.perf_counter() - entry.added_s
+        text = self.target.tokenizer.decode(request.tokens, skip_special_tokens=True)
+        self._results[entry.request_id] = GenerationResult(
+            text, list(request.tokens), request.stats, request.finish_reason, request.error
+        )
+
+    def _known(self, request_id: str) -> bool:
+        return request_id in self._results or any(
+            e.request_id == request_id for e in itertools.chain(self._waiting, self._running)
+        )
