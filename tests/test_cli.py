@@ -44,3 +44,18 @@ def test_profile_writes_a_table_the_schedulers_accept(tmp_path, capsys):
     assert main(["generate", "--target", "tiny:qwen2_vl", "--prompt", "hi", "--max-new-tokens", "3",
                  "--scheduler", "threshold", "--threshold", "0.2", "--drafter", "prompt-lookup"]) == 2  # no confidences
     assert "confidence" in capsys.readouterr().err
+
+
+def test_batched_profile_writes_one_curve_per_number_of_requests(tmp_path):
+    from vlmspec.scheduling import BatchSPSTable, PrefixScheduler, build_scheduler
+
+    out = tmp_path / "batch-sps.json"
+    args = ["profile", "--target", "tiny:qwen2_vl", "--out", str(out), "--requests", "1,3", "--gamma", "2",
+            "--context-length", "16", "--warmup", "0", "--repeats", "1"]  # fmt: skip
+    assert main(args) == 0
+    scheduler = build_scheduler("prefix", sps=str(out))
+    table = scheduler.sps_table
+    assert isinstance(scheduler, PrefixScheduler) and isinstance(table, BatchSPSTable)
+    assert table.requests == (1, 3) and table.curves[1].tokens[0] == 3 and table.curves[1].max_tokens == 9
+    assert table.for_requests(2).tokens[0] == 2  # interpolated between the measured curves
+    assert main(["profile", "--target", "tiny:qwen2_vl", "--out", str(out), "--requests", "0,x"]) == 2

@@ -4,7 +4,8 @@
   (one request), :class:`PrefixScheduler` (Algorithm 1), :class:`LaggedTopKScheduler`
   (production form), all behind the :class:`Scheduler` protocol; :func:`build_scheduler`
   builds them by name (``none``, ``threshold``, ``sps``, ``prefix``, ``lagged-topk``).
-* SPS profiling: :class:`SPSTable`, :func:`measure_sps`, :func:`profile_forward`,
+* SPS profiling: :class:`SPSTable`, :class:`BatchSPSTable` (one curve per number of
+  concurrent requests), :func:`load_sps_table`, :func:`measure_sps`, :func:`profile_forward`,
   :func:`sps_preset`, :func:`plot_sps`.
 * Calibration: :class:`RoundRecorder`, :class:`RoundRecords`, :func:`fit_sts`,
   :class:`Calibration`, :class:`CalibratedScheduler`, :func:`plot_reliability`.
@@ -22,7 +23,16 @@ from vlmspec.scheduling.calibration import (
     synthetic_records,
 )
 from vlmspec.scheduling.prefix import LaggedTopKScheduler, PrefixScheduler, rank_candidates
-from vlmspec.scheduling.profiling import SPSMeta, SPSTable, measure_sps, plot_sps, profile_forward, sps_preset
+from vlmspec.scheduling.profiling import (
+    BatchSPSTable,
+    SPSMeta,
+    SPSTable,
+    load_sps_table,
+    measure_sps,
+    plot_sps,
+    profile_forward,
+    sps_preset,
+)
 from vlmspec.scheduling.sps import SPSArgmaxScheduler
 from vlmspec.scheduling.threshold import ThresholdScheduler
 
@@ -32,6 +42,7 @@ __all__ = [
     "build_scheduler",
     "describe_schedulers",
     "resolve_sps_table",
+    "BatchSPSTable",
     "Calibration",
     "CalibratedScheduler",
     "LaggedTopKScheduler",
@@ -45,6 +56,7 @@ __all__ = [
     "ThresholdScheduler",
     "VerifyAll",
     "fit_sts",
+    "load_sps_table",
     "measure_sps",
     "plot_reliability",
     "plot_sps",

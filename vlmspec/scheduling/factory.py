@@ -13,7 +13,7 @@ from pathlib import Path
 from vlmspec.scheduling.base import Scheduler, VerifyAll
 from vlmspec.scheduling.calibration import CalibratedScheduler, Calibration
 from vlmspec.scheduling.prefix import LaggedTopKScheduler, PrefixScheduler
-from vlmspec.scheduling.profiling import PRESETS, SPSTable, sps_preset
+from vlmspec.scheduling.profiling import PRESETS, BatchSPSTable, SPSTable, load_sps_table, sps_preset
 from vlmspec.scheduling.sps import SPSArgmaxScheduler
 from vlmspec.scheduling.threshold import ThresholdScheduler
 
@@ -37,7 +37,7 @@ def build_scheduler(
     name: str,
     *,
     threshold: float | str = 0.5,
-    sps: SPSTable | str | os.PathLike | None = None,
+    sps: SPSTable | BatchSPSTable | str | os.PathLike | None = None,
     lag: int | str = 2,
     calibration: Calibration | str | os.PathLike | None = None,
 ) -> Scheduler:
@@ -70,9 +70,11 @@ def build_scheduler(
     return scheduler
 
 
-def resolve_sps_table(sps: SPSTable | str | os.PathLike | None, for_scheduler: str = "sps") -> SPSTable:
-    """An SPS table from a table object, a JSON path or a preset name."""
-    if isinstance(sps, SPSTable):
+def resolve_sps_table(
+    sps: SPSTable | BatchSPSTable | str | os.PathLike | None, for_scheduler: str = "sps"
+) -> SPSTable | BatchSPSTable:
+    """An SPS table from a table object, a JSON path (one curve or a batch table) or a preset name."""
+    if isinstance(sps, (SPSTable, BatchSPSTable)):
         return sps
     if sps is None:
         raise ValueError(
@@ -81,4 +83,4 @@ def resolve_sps_table(sps: SPSTable | str | os.PathLike | None, for_scheduler: s
         )
     if str(sps) in PRESETS:
         return sps_preset(str(sps))
-    return SPSTable.load(Path(sps))
+    return load_sps_table(Path(sps))

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from vlmspec.scheduling.base import as_lengths, check_confidences, positions_mask, prefix_survival
-from vlmspec.scheduling.profiling import SPSTable
+from vlmspec.scheduling.profiling import BatchSPSTable, SPSTable
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,9 @@ def rank_candidates(survival: np.ndarray, num_drafted: np.ndarray) -> Candidates
 def throughput_curve(num_requests: int, gains: np.ndarray, table: SPSTable) -> np.ndarray:
     """Expected throughput ``Theta(k)`` after admitting the first k ranked candidates, k = 0..M.
 
-    gains: [M] ranked a-values. Returns [M + 1] float64; NaN where ``B = R + k`` lies
-    outside the SPS table. Raises if even ``B = R`` (anchors only) is outside it.
+    gains: [M] ranked a-values. ``table`` is the curve for R requests (a batch table's
+    ``for_requests(R)``). Returns [M + 1] float64; NaN where ``B = R + k`` lies outside the
+    SPS table. Raises if even ``B = R`` (anchors only) is outside it.
     """
     require_anchors_fit(num_requests, table)
     expected_tokens = num_requests + np.concatenate([[0.0], np.cumsum(gains)])  # [M + 1]
@@ -76,6 +77,16 @@ def require_anchors_fit(num_requests: int, table: SPSTable) -> None:
             f"{table.min_tokens}..{table.max_tokens}; profile up to R * (1 + gamma) tokens "
             "(`vlmspec profile --max-tokens N`)"
         )
+
+
+def check_sps_table(table: SPSTable | BatchSPSTable) -> SPSTable | BatchSPSTable:
+    """Refuse anything but an SPS table (one curve, or one per measured number of requests)."""
+    if not isinstance(table, (SPSTable, BatchSPSTable)):
+        raise ValueError(
+            f"sps_table must be an SPSTable or a BatchSPSTable (see vlmspec.scheduling.profiling), "
+            f"got {type(table).__name__}"
+        )
+    return table
 
 
 def first_drop(theta: np.ndarray) -> int:
@@ -99,7 +110,9 @@ class PrefixScheduler:
     :func:`rank_candidates` order while each admission strictly raises
     ``Theta = tau * SPS(B)``; the first admission that does not is undone and the walk
     stops. ``sps_table`` is indexed by the total tokens in the verification batch,
-    ``B = sum_r (1 + l_r)``; batches beyond the table count as a drop.
+    ``B = sum_r (1 + l_r)``; batches beyond the table count as a drop. With a
+    :class:`~vlmspec.scheduling.profiling.BatchSPSTable` the curve is the one measured for
+    the R requests of the call (``for_requests(R)``).
 
     Lossless because it is non-anticipating: the decision on candidate ``(r, j)`` is made
     when the walk reaches it, and everything the walk has seen by then ranks at or above
@@ -110,12 +123,8 @@ class PrefixScheduler:
     decaying SPS curve); see :class:`LaggedTopKScheduler` for jagged curves.
     """
 
-    def __init__(self, sps_table: SPSTable) -> None:
-        if not isinstance(sps_table, SPSTable):
-            raise ValueError(
-                f"sps_table must be an SPSTable (see vlmspec.scheduling.profiling), got {type(sps_table).__name__}"
-            )
-        self.sps_table = sps_table
+    def __init__(self, sps_table: SPSTable | BatchSPSTable) -> None:
+        self.sps_table = check_sps_table(sps_table)
 
     def schedule(self, confidences: torch.Tensor | None, num_drafted: torch.Tensor) -> torch.Tensor:
         conf, drafted = check_confidences(confidences, num_drafted, type(self).__name__)  # [R, gamma], [R]
@@ -126,7 +135,8 @@ class PrefixScheduler:
         if len(drafted) == 0:
             return np.zeros(0, dtype=np.int64)
         candidates = rank_candidates(survival, drafted)
-        theta = throughput_curve(len(drafted), candidates.gains, self.sps_table)  # [M + 1]
+        table = self.sps_table.for_requests(len(drafted))
+        theta = throughput_curve(len(drafted), candidates.gains, table)  # [M + 1]
         return candidates.lengths(first_drop(theta), len(drafted))
 
     def __repr__(self) -> str:
@@ -169,14 +179,14 @@ class LaggedTopKScheduler:
     K used by the latest call (None during warm-up).
     """
 
-    def __init__(self, sps_table: SPSTable, lag: int = 2) -> None:
+    def __init__(self, sps_table: SPSTable | BatchSPSTable, lag: int = 2) -> None:
         if not isinstance(lag, int) or isinstance(lag, bool) or lag < 1:
             raise ValueError(
                 f"lag must be an integer >= 1 (steps between the confidences that set the capacity and "
                 f"the step that uses it; 0 would peek at the current tokens), got {lag!r}"
             )
         self._warmup = PrefixScheduler(sps_table)
-        self.sps_table = sps_table
+        self.sps_table = check_sps_table(sps_table)
         self.lag = lag
         self._history: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=lag)  # (a [R', gamma'], drafted [R'])
         self.last_capacity: int | None = None
@@ -203,13 +213,15 @@ class LaggedTopKScheduler:
     def _lagged_capacity(self, survival: np.ndarray, drafted: np.ndarray) -> int:
         """K: the global argmax of Theta over the lagged step's ranked candidates."""
         candidates = rank_candidates(survival, drafted)
-        return global_best(throughput_curve(len(drafted), candidates.gains, self.sps_table))
+        table = self.sps_table.for_requests(len(drafted))
+        return global_best(throughput_curve(len(drafted), candidates.gains, table))
 
     def _admit_top(self, survival: np.ndarray, drafted: np.ndarray, capacity: int) -> np.ndarray:
         """[R] lengths admitting the current top-``capacity`` candidates (within the SPS table)."""
         num_requests = len(drafted)
-        require_anchors_fit(num_requests, self.sps_table)
-        capacity = min(capacity, self.sps_table.max_tokens - num_requests)
+        table = self.sps_table.for_requests(num_requests)
+        require_anchors_fit(num_requests, table)
+        capacity = min(capacity, table.max_tokens - num_requests)
         return rank_candidates(survival, drafted).lengths(capacity, num_requests)
 
     def __repr__(self) -> str:

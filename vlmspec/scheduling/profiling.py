@@ -11,6 +11,13 @@ malformed or were measured for something else, offers named synthetic presets
 Nothing here knows about models: a profiled "step" is any callable ``step(n)`` that runs
 one forward with ``n`` tokens in flight.
 
+Batched verification: R concurrent requests share one forward of ``B = sum_r (1 + l_r)``
+tokens, and what that forward costs depends on R as well as B (every row attends over its
+own context). A :class:`BatchSPSTable` holds one curve per measured R
+(``vlmspec profile --requests 1,4,16,32``); ``table.for_requests(R)`` gives the curve the
+schedulers use for a batch of R requests. Both kinds answer ``for_requests``, so a
+scheduler takes either.
+
 JSON layout of a saved table (``format`` and ``version`` are checked on load)::
 
     {"format": "vlmspec.sps_table", "version": 1,
@@ -39,6 +46,7 @@ import numpy as np
 import torch
 
 FORMAT = "vlmspec.sps_table"
+BATCH_FORMAT = "vlmspec.batch_sps_table"
 VERSION = 1
 PRESETS = ("appendix_a", "gpu_like", "cpu")
 
@@ -110,6 +118,10 @@ class SPSTable:
             raise ValueError(f"invalid SPS table: {problem}")
 
     # -- lookup -------------------------------------------------------------------------
+    def for_requests(self, num_requests: int) -> SPSTable:
+        """The curve for a forward shared by ``num_requests`` requests: this one table, whatever R."""
+        return self
+
     @property
     def max_tokens(self) -> int:
         return self.tokens[-1]
@@ -210,6 +222,100 @@ class SPSTable:
             hardware=expect_hardware,
         )
         return table
+
+
+@dataclass(frozen=True)
+class BatchSPSTable:
+    """SPS curves of batched forwards: for each measured number of requests R, steps/s against tokens B.
+
+    ``curves[i]`` was measured with ``requests[i]`` requests sharing every forward, over
+    ``B`` from ``requests[i]`` (anchors only) up to ``requests[i] * (1 + gamma)``.
+    :meth:`for_requests` returns the curve for any R between the smallest and the largest
+    measured: a measured one as it is, otherwise step times interpolated linearly in R
+    between the two neighbouring curves (each held flat beyond its own token range).
+    """
+
+    requests: tuple[int, ...]
+    curves: tuple[SPSTable, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "requests", tuple(self.requests))
+        object.__setattr__(self, "curves", tuple(self.curves))
+        if not self.requests or len(self.requests) != len(self.curves):
+            raise ValueError(f"invalid batch SPS table: {len(self.requests)} request counts for {len(self.curves)} curves")
+        if not all(_is_int(r) and r >= 1 for r in self.requests) or any(b <= a for a, b in zip(self.requests, self.requests[1:])):
+            raise ValueError(f"invalid batch SPS table: request counts must be increasing integers >= 1, got {list(self.requests)}")
+        for r, curve in zip(self.requests, self.curves):
+            if not isinstance(curve, SPSTable) or not curve.min_tokens <= r <= curve.max_tokens:
+                raise ValueError(f"invalid batch SPS table: the curve for {r} requests must cover B = {r} (its anchors)")
+        object.__setattr__(self, "_by_requests", {})
+
+    @property
+    def meta(self) -> SPSMeta:
+        """What the curves were measured on (the first curve's metadata; they share model, device and dtype)."""
+        return self.curves[0].meta
+
+    def for_requests(self, num_requests: int) -> SPSTable:
+        """The curve for ``num_requests`` requests sharing a forward (see the class docstring)."""
+        cached = self._by_requests.get(num_requests)
+        if cached is not None:
+            return cached
+        if not self.requests[0] <= num_requests <= self.requests[-1]:
+            raise ValueError(
+                f"the batch SPS table was measured for {self.requests[0]}..{self.requests[-1]} concurrent requests, "
+                f"not {num_requests}; profile that many (`vlmspec profile --requests ...,{num_requests}`) "
+                "or lower the engine's max_batch_size"
+            )
+        hi = int(np.searchsorted(self.requests, num_requests))
+        if self.requests[hi] == num_requests:
+            table = self.curves[hi]
+        else:
+            table = self._between(num_requests, hi - 1, hi)
+        self._by_requests[num_requests] = table
+        return table
+
+    def _between(self, num_requests: int, lo: int, hi: int) -> SPSTable:
+        low, high = self.curves[lo], self.curves[hi]
+        weight = (num_requests - self.requests[lo]) / (self.requests[hi] - self.requests[lo])
+        tokens = np.arange(num_requests, high.max_tokens + 1)  # [T]
+        step_time = [(1 - weight) / low.steps_per_second(np.clip(tokens, low.min_tokens, low.max_tokens)),
+                     weight / high.steps_per_second(np.clip(tokens, high.min_tokens, high.max_tokens))]  # fmt: skip
+        meta = dataclasses.replace(high.meta, notes=f"interpolated between {self.requests[lo]} and {self.requests[hi]} requests")
+        return SPSTable(tuple(int(t) for t in tokens), tuple(1.0 / (step_time[0] + step_time[1])), meta)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": BATCH_FORMAT, "version": VERSION, "requests": list(self.requests),
+                "curves": [curve.to_dict() for curve in self.curves]}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: Any, *, where: str = "batch SPS table") -> BatchSPSTable:
+        if not isinstance(data, dict) or data.get("format") != BATCH_FORMAT or data.get("version") != VERSION:
+            raise ValueError(f"{where} is not a batch SPS table (format {BATCH_FORMAT!r}, version {VERSION}); {_REGENERATE}")
+        if not isinstance(data.get("requests"), list) or not isinstance(data.get("curves"), list):
+            raise ValueError(f"{where} needs the lists 'requests' and 'curves'; {_REGENERATE}")
+        curves = [SPSTable.from_dict(curve, where=f"{where}, curve {i}") for i, curve in enumerate(data["curves"])]
+        return cls(tuple(data["requests"]), tuple(curves))
+
+    def save(self, path: str | Path) -> Path:
+        """Write the table as JSON (parents created); returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+
+def load_sps_table(path: str | Path) -> SPSTable | BatchSPSTable:
+    """A table written by ``vlmspec profile``: one curve, or one per measured number of requests."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"no SPS table at {path}; create one with `vlmspec profile --target <target> --out {path}`") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); {_REGENERATE}") from None
+    if isinstance(data, dict) and data.get("format") == BATCH_FORMAT:
+        return BatchSPSTable.from_dict(data, where=str(path))
+    return SPSTable.from_dict(data, where=str(path))
 
 
 _META_FIELDS = {f.name for f in dataclasses.fields(SPSMeta)}

@@ -6,8 +6,8 @@ import numpy as np
 import torch
 
 from vlmspec.scheduling.base import as_lengths, check_confidences, prefix_survival
-from vlmspec.scheduling.prefix import require_anchors_fit
-from vlmspec.scheduling.profiling import SPSTable
+from vlmspec.scheduling.prefix import check_sps_table, require_anchors_fit
+from vlmspec.scheduling.profiling import BatchSPSTable, SPSTable
 
 
 class SPSArgmaxScheduler:
@@ -19,17 +19,14 @@ class SPSArgmaxScheduler:
     decision on position ``l + 1`` is taken before any confidence that depends on
     ``x_{l+1}`` is looked at.
 
-    With several rows, each row is scheduled *as if it were alone* (``B = 1 + l``); for a
+    With several rows, each row is scheduled *as if it were alone* (``B = 1 + l``, on the
+    one-request curve of a :class:`~vlmspec.scheduling.profiling.BatchSPSTable`); for a
     batch that shares one forward, use :class:`~vlmspec.scheduling.prefix.PrefixScheduler`.
     """
 
-    def __init__(self, sps_table: SPSTable) -> None:
-        if not isinstance(sps_table, SPSTable):
-            raise ValueError(
-                f"sps_table must be an SPSTable (see vlmspec.scheduling.profiling), got {type(sps_table).__name__}"
-            )
-        require_anchors_fit(1, sps_table)
-        self.sps_table = sps_table
+    def __init__(self, sps_table: SPSTable | BatchSPSTable) -> None:
+        self.sps_table = check_sps_table(sps_table).for_requests(1)
+        require_anchors_fit(1, self.sps_table)
 
     def schedule(self, confidences: torch.Tensor | None, num_drafted: torch.Tensor) -> torch.Tensor:
         conf, drafted = check_confidences(confidences, num_drafted, type(self).__name__)  # [R, gamma], [R]

@@ -1,12 +1,21 @@
-"""Measure a Qwen-VL target's SPS curve (forward steps per second against tokens in flight)."""
+"""Measure a Qwen-VL target's SPS curves (forward steps per second against tokens in flight).
+
+:func:`profile_target` times one request's verify forward of 1..N tokens;
+:func:`profile_target_batched` times the ragged forward R concurrent requests share
+(:class:`~vlmspec.target.ragged.RaggedBatch`), for each R asked for, with B tokens from R
+(anchors only) to ``R * (1 + gamma)`` spread as evenly over the rows as a step would.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from vlmspec.scheduling.profiling import SPSTable, profile_forward
+from collections.abc import Sequence
+
+from vlmspec.scheduling.profiling import BatchSPSTable, SPSTable, profile_forward
 from vlmspec.target.adapter import QwenVLTarget
 from vlmspec.target.inputs import TargetInputs
+from vlmspec.target.ragged import RaggedBatch
 
 FILLER = "The quick brown fox jumps over the lazy dog while the committee reviews the quarterly report. "
 
@@ -35,18 +44,78 @@ def profile_target(
         target.verify(state, probe[:n])
         target.rollback(state, keep=0)
 
+    return profile_forward(forward, max_tokens, **_description(target), context_length=context_length,
+                           warmup=warmup, repeats=repeats)  # fmt: skip
+
+
+def profile_target_batched(
+    target: QwenVLTarget,
+    *,
+    requests: Sequence[int] = (1, 4, 16, 32),
+    gamma: int = 7,
+    context_length: int = 256,
+    points: int = 8,
+    warmup: int = 2,
+    repeats: int = 5,
+) -> BatchSPSTable:
+    """Time the ragged verification forward of R requests, for each R in ``requests``.
+
+    Every row holds ``context_length`` cached tokens. For each R, about ``points`` token
+    counts B between R and ``R * (1 + gamma)`` are timed (the schedulers interpolate in
+    between): R + 0, 1, 2, 4, ... extra drafts, spread evenly over the rows. Rows are
+    rolled back after every forward, so each timing sees the same contexts.
+    """
+    counts = sorted({int(r) for r in requests})
+    if not counts or counts[0] < 1:
+        raise ValueError(f"requests must be positive integers, e.g. 1,4,16,32; got {list(requests)}")
+    if not isinstance(gamma, int) or gamma < 0:
+        raise ValueError(f"gamma must be an integer >= 0 (drafts per request), got {gamma!r}")
+    if not 1 <= context_length < target.max_context - gamma - 1:
+        raise ValueError(f"context_length must lie in [1, {target.max_context - gamma - 1}) for this model, got {context_length}")
+    ids = filler_ids(target, context_length)
+    state, _ = target.prefill(TargetInputs(ids, {"input_ids": ids}, num_images=0))
+    probe = ids[0, : 1 + gamma].cpu()
+    curves = []
+    for num_requests in counts:
+        batch = RaggedBatch(target, initial_capacity=context_length + gamma + 1)
+        for _ in range(num_requests):
+            batch.add(state)
+
+        def forward(num_tokens: int, batch: RaggedBatch = batch, rows: int = num_requests) -> None:
+            per_row = spread(num_tokens, rows)  # [R]
+            batch.verify(probe[: int(per_row.max())].expand(rows, -1), per_row)
+            batch.advance(torch.zeros(rows, dtype=torch.long))
+
+        curves.append(profile_forward(forward, num_requests * (1 + gamma), **_description(target),
+                                      context_length=context_length, warmup=warmup, repeats=repeats,
+                                      token_counts=_token_counts(num_requests, gamma, points)))  # fmt: skip
+    return BatchSPSTable(tuple(counts), tuple(curves))
+
+
+def spread(num_tokens: int, rows: int) -> torch.Tensor:  # -> [rows] int64, summing to num_tokens
+    """``num_tokens`` inputs over ``rows`` requests as evenly as possible (each at least its anchor)."""
+    base, extra = divmod(num_tokens, rows)
+    return torch.tensor([base + (row < extra) for row in range(rows)], dtype=torch.long)
+
+
+def _token_counts(num_requests: int, gamma: int, points: int) -> list[int]:
+    """B = R + 0, 1, 2, 4, ... up to R * gamma extra drafts (about ``points`` values, always both ends)."""
+    most = num_requests * gamma
+    extras = {0, most} | {min(2**i, most) for i in range(max(points - 1, 1))}
+    if most > 0:
+        extras |= {int(round(most * k / (points - 1))) for k in range(1, max(points - 1, 1))}
+    return sorted(num_requests + e for e in extras if e <= most)
+
+
+def _description(target: QwenVLTarget) -> dict:
+    """What ``profile_forward`` records about the target."""
     config = target.model.config.get_text_config()
-    return profile_forward(
-        forward,
-        max_tokens,
+    return dict(
         model=target.name,
         device=str(target.device),
         dtype=str(target.dtype).removeprefix("torch."),
-        context_length=context_length,
         model_config={"family": target.family, "hidden_size": config.hidden_size,
                       "num_layers": target.num_layers, "vocab_size": target.vocab_size},  # fmt: skip
-        warmup=warmup,
-        repeats=repeats,
     )
 
 
