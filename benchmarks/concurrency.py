@@ -1,0 +1,254 @@
+"""Concurrency benchmark: BatchEngine's output tokens per second against the number of concurrent requests.
+
+For each number of concurrent requests C (1, 4, 16, 32 by default) and each decoding mode
+(greedy, sampled), C requests, half with an image and half text only, run to the end
+through ``vlmspec.serving.BatchEngine`` with ``max_batch_size = C``, once per variant:
+
+* ``alone``: the target alone, batched (no drafter: one token per request per step);
+* ``fixed``: the drafter, every draft verified (fixed gamma);
+* ``threshold``: drafts up to the first confidence below ``--threshold``;
+* ``prefix``: Algorithm 1 over the whole batch, with an SPS table measured here for the
+  batched forward (``vlmspec profile --requests ...``; pass ``--sps`` to reuse one);
+* ``lagged-topk`` (opt-in with ``--variants``): Algorithm 1's production form.
+
+Variants run interleaved (rotated) at every level, in one process, so ratios compare
+numbers measured side by side. Reported per run: output tokens per second (all new
+tokens / wall time, prefills included), the ratio to ``alone`` at the same level and mode,
+tau, verified drafts per request per step, per-request latency (add_request to finish:
+mean and 90th percentile), and for greedy runs whether every request's output equals its
+``alone`` output token for token. Writes ``concurrency.json``, ``concurrency.md`` and one
+``throughput_<mode>.png`` per mode into ``--out``.
+
+The reference pair (the default) on a CPU::
+
+    python -m benchmarks.concurrency --out runs/concurrency
+
+A smoke run on a tiny random target (``--drafter untrained`` builds a random DSpark
+drafter with a confidence head: lossless, never fast)::
+
+    python -m benchmarks.concurrency --target tiny:qwen2_vl --drafter untrained --concurrency 1,2 \\
+        --max-new-tokens 6 --profile-repeats 1 --out runs/concurrency-smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import (
+    environment_info,
+    log,
+    markdown_table,
+    plot_lines,
+    prepare_out_dir,
+    rotated,
+    safe_ratio,
+    write_json,
+    write_text,
+)
+from benchmarks.spec.workloads import Task, easy_vqa_tasks, prompt_set_tasks, skimage_open_tasks
+from vlmspec.scheduling import build_scheduler
+from vlmspec.serving import BatchEngine
+from vlmspec.types import SpecStats
+
+VARIANTS = ("alone", "fixed", "threshold", "prefix", "lagged-topk")
+DEFAULT_VARIANTS = ("alone", "fixed", "threshold", "prefix")
+DEFAULT_PROMPT_SET = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "mt-bench.jsonl"
+IMAGE_PROMPT = "Describe the image in detail."
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="reference", help="'reference', a Qwen-VL directory, or tiny:FAMILY")
+    parser.add_argument("--drafter", default="reference",
+                        help="'reference', 'reference-dflash', a DSpark drafter directory, or 'untrained' (random, for smoke runs)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--concurrency", default="1,4,16,32", help="comma-separated numbers of concurrent requests")
+    parser.add_argument("--modes", default="greedy,sampled", help="greedy and/or sampled")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"any of {', '.join(VARIANTS)}")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.7, help="for the sampled mode")
+    parser.add_argument("--top-p", type=float, default=None, help="for the sampled mode")
+    parser.add_argument("--threshold", type=float, default=0.5, help="confidence threshold of the threshold variant")
+    parser.add_argument("--sps", default=None, help="a batch SPS table (vlmspec profile --requests ...); measured here if omitted")
+    parser.add_argument("--profile-context", type=int, default=160, help="cached tokens per request while profiling")
+    parser.add_argument("--profile-repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs of every cell (the fastest counts)")
+    parser.add_argument("--prompt-set", default=str(DEFAULT_PROMPT_SET), help="text prompts (JSONL with turns)")
+    parser.add_argument("--out", type=Path, default=Path("runs/concurrency"))
+    args = parser.parse_args(argv)
+    args.levels = _int_list(args.concurrency, "--concurrency")
+    args.mode_list = [m for m in args.modes.split(",") if m]
+    args.variant_list = [v for v in args.variants.split(",") if v]
+    if not args.mode_list or set(args.mode_list) - {"greedy", "sampled"}:
+        parser.error(f"--modes takes greedy and/or sampled, got {args.modes!r}")
+    if not args.variant_list or set(args.variant_list) - set(VARIANTS):
+        parser.error(f"--variants takes any of {', '.join(VARIANTS)}, got {args.variants!r}")
+    return args
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise SystemExit(f"{flag} takes positive integers separated by commas, got {text!r}")
+    return values
+
+
+# ------------------------------------------------------------------------------------ setup
+def load_pair(args: argparse.Namespace):
+    """The target and the drafter's proposer."""
+    from vlmspec.engine import load_proposer
+    from vlmspec.target import load_target
+
+    target = load_target(args.target, dtype=args.dtype)
+    if args.drafter == "untrained":
+        from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter
+
+        torch.manual_seed(0)
+        return target, DSparkDrafter.from_target(target, DSparkConfig.for_target(target, block_size=4)).proposer()
+    return target, load_proposer(args.drafter, target)
+
+
+def workload(args: argparse.Namespace, count: int) -> list[Task]:
+    """``count`` tasks alternating image and text: easy-vqa shapes (scikit-image photos without easy-vqa), prompt-set questions."""
+    images = max((count + 1) // 2, 1)
+    try:
+        image_tasks = easy_vqa_tasks(images)
+    except ImportError:
+        image_tasks = skimage_open_tasks(images, max_side=224)
+    text_tasks = prompt_set_tasks(args.prompt_set, None)
+    tasks = []
+    for i in range(count):
+        if i % 2 == 0:
+            tasks.append(Task(workload="image", qid=f"image-{i}", group="image", prompt=IMAGE_PROMPT,
+                              images=image_tasks[(i // 2) % len(image_tasks)].images))  # fmt: skip
+        else:
+            tasks.append(text_tasks[(i // 2) % len(text_tasks)])
+    return tasks
+
+
+def requests_for(tasks: list[Task], mode: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    sampling = dict(temperature=args.temperature, top_p=args.top_p) if mode == "sampled" else {}
+    return [dict(images=task.image_arg, prompt=task.prompt, max_new_tokens=args.max_new_tokens, seed=i, **sampling)
+            for i, task in enumerate(tasks)]  # fmt: skip
+
+
+def sps_table(args: argparse.Namespace, target, gamma: int, out: Path):
+    """The batch SPS table Algorithm 1 uses: ``--sps``, or measured now for every concurrency level."""
+    from vlmspec.scheduling import load_sps_table
+    from vlmspec.target.profile import profile_target_batched
+
+    if args.sps:
+        return load_sps_table(args.sps)
+    log(f"profiling the batched verification forward for {args.levels} requests (gamma {gamma}) ...")
+    table = profile_target_batched(target, requests=args.levels, gamma=gamma, context_length=args.profile_context,
+                                   warmup=1, repeats=args.profile_repeats)  # fmt: skip
+    table.save(out / "sps.json")
+    return table
+
+
+def make_engine(variant: str, target, proposer, table, args: argparse.Namespace, concurrency: int) -> BatchEngine:
+    if variant == "alone":
+        return BatchEngine(target, max_batch_size=concurrency)
+    scheduler = {
+        "fixed": None,
+        "threshold": lambda: build_scheduler("threshold", threshold=args.threshold),
+        "prefix": lambda: build_scheduler("prefix", sps=table),
+        "lagged-topk": lambda: build_scheduler("lagged-topk", sps=table),
+    }[variant]
+    return BatchEngine(target, proposer, scheduler() if scheduler else None, max_batch_size=concurrency)
+
+
+# ------------------------------------------------------------------------------------ runs
+def run_cell(engine: BatchEngine, requests: list[dict[str, Any]]) -> tuple[float, list]:
+    """Run every request to the end; returns the wall time and the results in order."""
+    tick = time.perf_counter()
+    results = engine.generate_many(requests)
+    return time.perf_counter() - tick, results
+
+
+def cell_metrics(wall_s: float, results: list) -> dict[str, Any]:
+    stats = SpecStats.merge(r.stats for r in results)
+    latencies = sorted(r.stats.total_s for r in results)
+    return {
+        "wall_s": wall_s,
+        "new_tokens": stats.new_tokens,
+        "tokens_per_s": stats.new_tokens / wall_s if wall_s > 0 else None,
+        "tau": stats.tau,
+        "mean_verified": stats.mean_verified_length,
+        "latency_mean_s": statistics.fmean(latencies),
+        "latency_p90_s": latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))],
+        "tau_per_request": [r.stats.tau for r in results],
+        "latency_per_request_s": [r.stats.total_s for r in results],
+        "errors": sum(r.finish_reason == "error" for r in results),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = prepare_out_dir(args.out)
+    target, proposer = load_pair(args)
+    needs_table = {"prefix", "lagged-topk"} & set(args.variant_list)
+    table = sps_table(args, target, proposer.max_draft_tokens, out) if needs_table else None
+    tasks = workload(args, max(args.levels))
+    log("warming up ...")
+    for variant in args.variant_list:
+        make_engine(variant, target, proposer, table, args, 2).generate_many(requests_for(tasks[:2], "greedy", args)[:2])
+
+    cells = []
+    for mode in args.mode_list:
+        for level in args.levels:
+            requests = requests_for(tasks[:level], mode, args)
+            best: dict[str, tuple[float, list]] = {}
+            for repeat in range(args.repeats):
+                for variant in rotated(args.variant_list, repeat + level):
+                    engine = make_engine(variant, target, proposer, table, args, level)
+                    wall_s, results = run_cell(engine, requests)
+                    del engine
+                    gc.collect()
+                    if variant not in best or wall_s < best[variant][0]:
+                        best[variant] = (wall_s, results)
+            alone = best.get("alone")
+            for variant in args.variant_list:
+                wall_s, results = best[variant]
+                cell = {"mode": mode, "concurrency": level, "variant": variant, **cell_metrics(wall_s, results)}
+                if alone is not None:
+                    cell["vs_alone"] = safe_ratio(cell["tokens_per_s"], cell_metrics(*alone)["tokens_per_s"])
+                    if mode == "greedy":
+                        cell["identical"] = all(r.token_ids == a.token_ids for r, a in zip(results, alone[1]))
+                cells.append(cell)
+                log(f"{mode:8s} C={level:3d} {variant:12s} {cell['tokens_per_s']:8.1f} tok/s  tau {cell['tau']:.2f}")
+    write_outputs(out, args, cells, table)
+    return 0
+
+
+# ------------------------------------------------------------------------------------ outputs
+def write_outputs(out: Path, args: argparse.Namespace, cells: list[dict[str, Any]], table) -> None:
+    settings = {k: v for k, v in vars(args).items() if k not in ("out",)}
+    write_json(out / "concurrency.json", {"environment": environment_info(), "settings": settings, "cells": cells,
+                                          "sps_table": None if table is None else table.to_dict()})  # fmt: skip
+    headers = ["mode", "concurrent", "variant", "tokens/s", "vs alone", "tau", "verified/step", "latency mean s",
+               "latency p90 s", "identical"]  # fmt: skip
+    rows = [[c["mode"], c["concurrency"], c["variant"], c["tokens_per_s"], c.get("vs_alone"), c["tau"], c["mean_verified"],
+             c["latency_mean_s"], c["latency_p90_s"], c.get("identical")] for c in cells]  # fmt: skip
+    note = (f"target {args.target}, drafter {args.drafter}, {args.dtype}, {args.max_new_tokens} new tokens per request, "
+            f"half the requests with an image; sampled: temperature {args.temperature}")  # fmt: skip
+    write_text(out / "concurrency.md", f"{note}\n\n{markdown_table(headers, rows)}")
+    for mode in args.mode_list:
+        series = {}
+        for variant in args.variant_list:
+            mine = [c for c in cells if c["mode"] == mode and c["variant"] == variant]
+            series[variant] = ([c["concurrency"] for c in mine], [c["tokens_per_s"] for c in mine])
+        plot_lines(out / f"throughput_{mode}.png", series, title=f"BatchEngine throughput ({mode})",
+                   xlabel="concurrent requests", ylabel="output tokens / s")  # fmt: skip
+    log(f"wrote {out / 'concurrency.json'}, {out / 'concurrency.md'} and the throughput plots")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
