@@ -508,3 +508,23 @@ def test_a_batch_of_requests_drafts_what_each_drafts_alone(draft_vocab):
                 assert torch.equal(block.draft_probs[i], torch.nn.functional.one_hot(block.tokens[i], 96).float())
             else:
                 torch.testing.assert_close(block.draft_probs[i], single.draft_probs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_padded_contexts_are_extended_while_the_batch_stays_and_rebuilt_when_it_changes():
+    drafter = make_drafter()
+    proposer = DSparkProposer(drafter)
+    streams = [list(updates(drafter, spans)) for spans in ([9, 2, 3, 1], [4, 1, 2, 2, 1], [6, 3])]
+    greedy, gen = SamplingParams(), torch.Generator()
+    batched = [proposer.new_state() for _ in streams]
+    alone = [proposer.new_state() for _ in streams]
+    taken = [0, 0, 0]
+    # (rows proposed together): the same pair twice (extended in place), then a join in another order (rebuilt),
+    # then one request alone and the batch again (its cache moved on outside the batch: rebuilt)
+    for rows in ([0, 1], [0, 1], [2, 1, 0], [1], [2, 1, 0]):
+        block = proposer.propose([batched[r] for r in rows], [streams[r][taken[r]] for r in rows], [greedy] * len(rows),
+                                 [gen] * len(rows))  # fmt: skip
+        for i, r in enumerate(rows):
+            single = proposer.propose([alone[r]], [streams[r][taken[r]]], [greedy], [gen])
+            assert torch.equal(block.tokens[i], single.tokens[0])
+            torch.testing.assert_close(block.confidences[i], single.confidences[0], atol=1e-5, rtol=1e-5)
+            taken[r] += 1

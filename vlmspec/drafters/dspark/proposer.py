@@ -9,7 +9,10 @@ Per request the state is a :class:`DraftContextCache`. Each step ``propose``:
 2. drafts ``gamma`` tokens per request at positions ``anchor_position + [0 .. gamma - 1]``
    from ``[anchor, MASK x (gamma - 1)]`` in one backbone pass and one LM head GEMM for
    all requests. Contexts of different lengths are right-padded to the longest and
-   masked, so every row sees exactly its own context (one request: no padding, no mask);
+   masked, so every row sees exactly its own context (one request: no padding, no mask).
+   The padded contexts are kept between calls: while the same requests come back in the
+   same order (an engine's steps between joins and leaves), each call only writes the new
+   spans into them; otherwise they are rebuilt from the requests' own caches;
 3. runs the sequential head: greedy rows together, each sampled row on its own with its
    own temperature and generator, so a request's draws never depend on the others.
 
@@ -44,6 +47,15 @@ class DSparkState:
     cache: DraftContextCache = field(default_factory=DraftContextCache)
 
 
+@dataclass
+class _PaddedContexts:
+    """The right-padded contexts of the last batch of requests proposed for, row r = ``states[r]``."""
+
+    states: tuple[DSparkState, ...]
+    layers: ContextKV  # per layer [R, Hkv, capacity, hd]
+    lengths: torch.Tensor  # [R] int64 context tokens per row (on the drafter's device)
+
+
 class DSparkProposer:
     """Implements :class:`vlmspec.drafters.base.Proposer` with a :class:`DSparkDrafter`."""
 
@@ -55,6 +67,7 @@ class DSparkProposer:
         self.vocab_size: int | None = config.target_vocab_size
         self.position_rule: str = config.position_rule
         self._feature_width = len(config.target_layer_ids) * config.target_hidden_size
+        self._padded: _PaddedContexts | None = None
 
     def new_state(self) -> DSparkState:
         return DSparkState()
@@ -74,10 +87,10 @@ class DSparkProposer:
         """Append each update's features to its request's draft cache and draft one block per request."""
         check_batch(states, updates, params, generators)
         features = [self._checked_features(update) for update in updates]  # every update, before any state changes
-        self._absorb(states, updates, features)
+        spans = self._absorb(states, updates, features)
         anchors = torch.tensor([update.anchor for update in updates], device=self.device)  # [R]
         anchor_positions = torch.tensor([update.anchor_position for update in updates], device=self.device)  # [R]
-        context, mask = self._context(states)
+        context, mask = self._context(states, spans, [update.positions.shape[0] for update in updates])
         drafter = self.drafter
         hidden = drafter.block_hidden(anchors[:, None], anchor_positions[:, None], context, mask)[:, 0]  # [R, G, d]
         base = drafter.base_logits(hidden)  # [R, G, N]
@@ -111,8 +124,11 @@ class DSparkProposer:
             )
         return features
 
-    def _absorb(self, states: Sequence[DSparkState], updates: Sequence[ContextUpdate], features: list[torch.Tensor]) -> None:
-        """Project every request's new span in one packed pass and append each part to its own cache."""
+    def _absorb(self, states: Sequence[DSparkState], updates: Sequence[ContextUpdate], features: list[torch.Tensor]) -> ContextKV:
+        """Project every request's new span in one packed pass and append each part to its own cache.
+
+        Returns the packed spans, per layer [1, Hkv, sum n, hd] (request after request).
+        """
         device = self.device
         packed_features = torch.cat([f.to(device) for f in features])[None]  # [1, sum n, m * d]
         packed_positions = torch.cat([u.positions.to(device) for u in updates])[None]  # [1, sum n]
@@ -122,29 +138,56 @@ class DSparkProposer:
             stop = start + update.positions.shape[0]
             state.cache.append([(k[:, :, start:stop], v[:, :, start:stop]) for k, v in packed])
             start = stop
+        return packed
 
-    def _context(self, states: Sequence[DSparkState]) -> tuple[ContextKV, torch.Tensor | None]:
-        """The requests' contexts as per-layer [R, Hkv, Lmax, hd] and the mask [R, 1, G, Lmax + G] (None: no padding)."""
+    def _context(
+        self, states: Sequence[DSparkState], spans: ContextKV, span_lengths: list[int]
+    ) -> tuple[ContextKV, torch.Tensor | None]:
+        """The requests' contexts as per-layer [R, Hkv, Lmax, hd] and the mask [R, 1, G, Lmax + G] (None: no padding).
+
+        spans: this call's packed new spans (per layer [1, Hkv, sum n, hd]); span_lengths: [R] their sizes.
+        """
         if len(states) == 1:
             return states[0].cache.layers(), None
-        lengths = torch.tensor([len(state.cache) for state in states], device=self.device)  # [R]
+        padded = self._padded_contexts(states, spans, span_lengths)
+        lengths = padded.lengths  # [R]
         longest = int(lengths.max())
-        per_row = [state.cache.layers() for state in states]  # [R] lists of per-layer (k, v) [1, Hkv, L_r, hd]
-        layers = []
-        for layer, (first_k, _) in enumerate(per_row[0]):
-            keys = first_k.new_zeros(len(states), first_k.shape[1], longest, first_k.shape[3])
-            values = torch.zeros_like(keys)
-            for row, row_layers in enumerate(per_row):
-                k, v = row_layers[layer]
-                keys[row, :, : k.shape[2]] = k[0]
-                values[row, :, : v.shape[2]] = v[0]
-            layers.append((keys, values))
+        layers = [(k[:, :, :longest], v[:, :, :longest]) for k, v in padded.layers]
         if bool((lengths == longest).all()):
             return layers, None
         block = self.drafter.block_size
         visible = torch.arange(longest, device=self.device)[None, :] < lengths[:, None]  # [R, Lmax]
         mask = torch.cat((visible, visible.new_ones(len(states), block)), dim=1)  # [R, Lmax + G]
         return layers, mask[:, None, None, :].expand(-1, 1, block, -1)
+
+    def _padded_contexts(self, states: Sequence[DSparkState], spans: ContextKV, span_lengths: list[int]) -> _PaddedContexts:
+        """The padded contexts of ``states`` after this call's spans: the kept ones extended, or rebuilt."""
+        kept = self._padded
+        lengths = torch.tensor([len(state.cache) for state in states], device=self.device)  # [R]
+        sizes = torch.tensor(span_lengths, device=self.device)  # [R]
+        same = kept is not None and len(kept.states) == len(states) and all(a is b for a, b in zip(kept.states, states))
+        # Extend in place only if nothing reached these caches since (e.g. a request proposed for alone).
+        if same and torch.equal(kept.lengths + sizes, lengths) and int(lengths.max()) <= kept.layers[0][0].shape[2]:
+            rows = torch.repeat_interleave(torch.arange(len(states), device=self.device), sizes)  # [sum n]
+            slots = torch.arange(rows.shape[0], device=self.device) - (torch.cumsum(sizes, 0) - sizes)[rows] + kept.lengths[rows]
+            for (keys, values), (k, v) in zip(kept.layers, spans):
+                keys[rows, :, slots] = k[0].transpose(0, 1)  # [sum n, Hkv, hd]
+                values[rows, :, slots] = v[0].transpose(0, 1)
+            kept.lengths = lengths
+            return kept
+        capacity = max(2 * int(lengths.max()), 64)  # room to grow before the next rebuild
+        per_row = [state.cache.layers() for state in states]  # [R] lists of per-layer (k, v) [1, Hkv, L_r, hd]
+        layers = []
+        for layer, (first_k, _) in enumerate(per_row[0]):
+            keys = first_k.new_zeros(len(states), first_k.shape[1], capacity, first_k.shape[3])
+            values = torch.zeros_like(keys)
+            for row, row_layers in enumerate(per_row):
+                k, v = row_layers[layer]
+                keys[row, :, : k.shape[2]] = k[0]
+                values[row, :, : v.shape[2]] = v[0]
+            layers.append((keys, values))
+        self._padded = _PaddedContexts(tuple(states), layers, lengths)
+        return self._padded
 
     def _sample(
         self,
