@@ -125,10 +125,14 @@ class BatchEngine:
         scheduler: Scheduler | None = None,
         max_batch_size: int = 32,
         dtype: str | torch.dtype = "float32",
+        attn_implementation: str = "sdpa",
         device: str | torch.device = "cpu",
     ) -> "BatchEngine":
-        """A target (directory, ``"reference"``, ``tiny:FAMILY``) and a drafter, as for ``SpecEngine.from_pretrained``."""
-        target = load_target(target_dir, dtype=dtype, device=device)
+        """A target (directory, ``"reference"``, ``tiny:FAMILY``) and a drafter, as for ``SpecEngine.from_pretrained``.
+
+        ``attn_implementation`` applies to prefills; decode steps use the ragged batch's own attention.
+        """
+        target = load_target(target_dir, dtype=dtype, attn_implementation=attn_implementation, device=device)
         return cls(target, load_proposer(drafter, target), scheduler, max_batch_size=max_batch_size)
 
     @property

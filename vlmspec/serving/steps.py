@@ -257,8 +257,11 @@ class SpecDecoder:
             limit = torch.minimum(limit, room.clamp(min=0))
         drafted = drafts.num_tokens.cpu()
         schedulable = torch.minimum(drafted, limit)  # [R]
-        lengths = self.scheduler.schedule(drafts.confidences, schedulable.to(drafts.num_tokens.device))
-        lengths = torch.as_tensor(lengths).cpu()
+        if drafts.gamma == 0:  # nothing drafted (the target alone): nothing to schedule
+            lengths = schedulable
+        else:
+            device = drafts.num_tokens.device
+            lengths = torch.as_tensor(self.scheduler.schedule(drafts.confidences, schedulable.to(device))).cpu()
         if lengths.shape != schedulable.shape or bool(((lengths < 0) | (lengths > schedulable)).any()):
             raise ValueError(
                 f"{type(self.scheduler).__name__}.schedule returned {lengths.tolist()} for drafted counts "

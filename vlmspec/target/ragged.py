@@ -138,7 +138,11 @@ class RaggedBatch:
 
     # ------------------------------------------------------------- forwards
     @torch.no_grad()
-    def verify(self, tokens: torch.Tensor, num_tokens: torch.Tensor) -> RaggedStep:
+    def verify(
+        self,
+        tokens: torch.Tensor,  # [R, W] int64, row r's inputs first
+        num_tokens: torch.Tensor,  # [R] int64 in 0..W, the real inputs of each row
+    ) -> RaggedStep:
         """One forward over row r's first ``num_tokens[r]`` of ``tokens[r]``, appended after its committed tokens.
 
         tokens: [R, W] int64 (entries beyond num_tokens[r] are ignored); num_tokens: [R]
@@ -173,7 +177,7 @@ class RaggedBatch:
         self._pending = num_tokens
         return RaggedStep(logits=logits, features=features, positions=positions)
 
-    def advance(self, keep: torch.Tensor | Sequence[int]) -> None:
+    def advance(self, keep: torch.Tensor | Sequence[int]) -> None:  # keep: [R] int64
         """Keep the first ``keep[r]`` inputs of row r's last verify ([R] int64); the rest are rolled back."""
         keep = torch.as_tensor(keep, dtype=torch.long).cpu()
         if self._pending is None:
@@ -184,7 +188,7 @@ class RaggedBatch:
         self._pending = None
 
     # ------------------------------------------------------------ internals
-    def _check_inputs(self, tokens: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+    def _check_inputs(self, tokens: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:  # [R, W], [R] -> [R] CPU
         if tokens.dim() != 2 or tokens.shape[0] != self.num_rows or tokens.dtype.is_floating_point:
             raise ValueError(f"tokens must be an integer tensor [R, W] with R = {self.num_rows} rows, got "
                              f"{tuple(tokens.shape)} {tokens.dtype}")  # fmt: skip
@@ -197,7 +201,7 @@ class RaggedBatch:
             raise ValueError(f"rows {rows} would pass the model's context length ({self.target.max_context} tokens)")
         return num_tokens
 
-    def _layout(self, num_tokens: torch.Tensor, width: int) -> _Layout:
+    def _layout(self, num_tokens: torch.Tensor, width: int) -> _Layout:  # num_tokens: [R] int64 (CPU)
         rows = torch.repeat_interleave(torch.arange(self.num_rows), num_tokens)  # [B]
         starts = torch.cumsum(num_tokens, 0) - num_tokens  # [R] packed index of each row's first token
         offsets = torch.arange(rows.shape[0]) - starts[rows]  # [B] i within the row
@@ -267,7 +271,9 @@ class _RaggedCache:
         return self._layout.keys
 
 
-_current_layout: list[_Layout] = []  # the layout of the packed forward in progress (one at a time)
+# The layout of the packed forward in progress. Forwards of one process run one at a time here
+# (the engines are single-threaded); the attention function reads the innermost one.
+_current_layout: list[_Layout] = []
 
 
 def ragged_attention(
