@@ -221,3 +221,17 @@ def test_an_exception_in_one_requests_step_does_not_lose_the_others(make_target,
     assert broken.finish_reason == "error" and broken.error is not None
     assert broken.token_ids == expected[1][: len(broken.token_ids)]
     assert [r.token_ids for i, r in enumerate(results) if i != 1] == [e for i, e in enumerate(expected) if i != 1]
+
+
+def test_a_one_request_proposer_gets_told_how_to_port_it(make_target):
+    class OldStyle:
+        max_draft_tokens, feature_layers, vocab_size, position_rule = 2, (), None, "interpolate"
+
+        def new_state(self):
+            return None
+
+        def propose(self, state, update, params, generator):
+            raise AssertionError("never called")
+
+    with pytest.raises(TypeError, match="PerRequestProposer"):
+        BatchEngine(make_target("qwen2_vl"), OldStyle())

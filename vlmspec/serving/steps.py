@@ -46,6 +46,7 @@ only from these calls. What this module does not know: the target, its cache, M-
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,6 +166,12 @@ class SpecDecoder:
                 f"{type(self.proposer).__name__} does not implement the Proposer protocol (vlmspec.drafters): "
                 "it needs max_draft_tokens, feature_layers, vocab_size, position_rule, new_state() and "
                 "a batched propose(states, updates, params, generators)"
+            )
+        if list(inspect.signature(self.proposer.propose).parameters)[:2] == ["state", "update"]:
+            raise TypeError(
+                f"{type(self.proposer).__name__}.propose(state, update, params, generator) drafts for one request, "
+                "but the Proposer protocol drafts for several at once: subclass vlmspec.drafters.PerRequestProposer "
+                "and rename the method to propose_one"
             )
         if not isinstance(self.scheduler, Scheduler):
             raise TypeError(f"{type(self.scheduler).__name__} does not implement the Scheduler protocol (vlmspec.scheduling)")
