@@ -104,7 +104,7 @@ def _int_list(text: str, flag: str) -> list[int]:
 def load_pair(args: argparse.Namespace):
     """The target and the drafter's proposer."""
     from vlmspec.engine import load_proposer
-    from vlmspec.target import load_target
+    from vlmspec.targets import load_target
 
     target = load_target(args.target, dtype=args.dtype)
     if args.drafter == "untrained":
@@ -142,7 +142,7 @@ def requests_for(tasks: list[Task], mode: str, args: argparse.Namespace) -> list
 def sps_table(args: argparse.Namespace, target, gamma: int, out: Path):
     """The batch SPS table Algorithm 1 uses: ``--sps``, or measured now for every concurrency level."""
     from vlmspec.scheduling import load_sps_table
-    from vlmspec.target.profile import profile_target_batched
+    from vlmspec.targets.profile import profile_target_batched
 
     if args.sps:
         return load_sps_table(args.sps)

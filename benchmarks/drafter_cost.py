@@ -76,11 +76,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_target(args: argparse.Namespace):
-    from vlmspec.target import QwenVLTarget, load_target
+    from vlmspec.targets import QwenVLTarget, load_target
 
     if args.target:
         return load_target(args.target)
-    from vlmspec.target.tiny import qwen_tokenizer, tiny_model, tiny_processor
+    from vlmspec.targets.tiny import qwen_tokenizer, tiny_model, tiny_processor
 
     model = tiny_model("qwen2_5_vl", seed=args.seed, hidden_size=args.hidden, num_layers=args.layers)
     name = f"qwen2_5_vl-h{args.hidden}-l{args.layers}"

@@ -25,7 +25,7 @@ import torch
 from vlmspec import SpecEngine, load_target
 from vlmspec.drafters import PromptLookup
 from vlmspec.serving import SpecDecoder, SpecRequest
-from vlmspec.target.adapter import RequestState, prefill_output
+from vlmspec.targets.adapter import RequestState, prefill_output
 
 
 @dataclass

@@ -53,9 +53,9 @@ if __package__ in (None, ""):  # run as a file: make the package importable from
 
 from vlmspec import reference as ref
 from vlmspec.engine import SpecEngine
-from vlmspec.target import QwenVLTarget
-from vlmspec.target.adapter import load_processor, resolve_dtype
-from vlmspec.target.inputs import TargetInputs
+from vlmspec.targets import QwenVLTarget
+from vlmspec.targets.adapter import load_processor, resolve_dtype
+from vlmspec.targets.inputs import TargetInputs
 
 REPO = Path(__file__).resolve().parents[1]
 COLORS = ("red", "green", "blue", "black", "gray", "teal", "brown", "yellow")

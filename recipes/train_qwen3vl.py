@@ -33,7 +33,7 @@ import torch
 
 from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter
 from vlmspec.engine import SpecEngine
-from vlmspec.target.adapter import load_target, resolve_dtype
+from vlmspec.targets.adapter import load_target, resolve_dtype
 from vlmspec.training import (
     CacheSpec,
     GenerationConfig,

@@ -7,8 +7,8 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmspec.target import QwenVLTarget
-from vlmspec.target.tiny import FAMILIES, qwen_tokenizer, tiny_model, tiny_processor
+from vlmspec.targets import QwenVLTarget
+from vlmspec.targets.tiny import FAMILIES, qwen_tokenizer, tiny_model, tiny_processor
 
 # Tiny models run fastest on one thread, and the machine may be shared: no oversubscription.
 torch.set_num_threads(1)

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from vlmspec.sampling import target_probs
-from vlmspec.target import QwenVLTarget
-from vlmspec.target.tiny import tiny_model, tiny_processor
+from vlmspec.targets import QwenVLTarget
+from vlmspec.targets.tiny import tiny_model, tiny_processor
 from vlmspec.types import SamplingParams
 
 SUPPORT = (785, 8251, 5562, 14853)  # four ordinary word pieces; EOS is not among them

@@ -19,7 +19,7 @@ import torch
 from vlmspec import reference
 from vlmspec.drafters.prompt_lookup import PromptLookup
 from vlmspec.engine import SpecEngine
-from vlmspec.target import QwenVLTarget
+from vlmspec.targets import QwenVLTarget
 from vlmspec.types import SpecStats
 
 needs_smollm2 = pytest.mark.skipif(

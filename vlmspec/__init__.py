@@ -18,7 +18,7 @@ from vlmspec.scheduling import (
     VerifyAll,
     build_scheduler,
 )
-from vlmspec.target import QwenVLTarget, load_target
+from vlmspec.targets import QwenVLTarget, load_target
 from vlmspec.types import DraftBlock, GenerationResult, SamplingParams, SpecStats, VerifyResult
 
 __version__ = "0.1.0"

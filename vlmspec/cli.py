@@ -172,8 +172,8 @@ def _run_profile(args) -> int:
     from pathlib import Path
 
     from vlmspec.scheduling.profiling import plot_sps
-    from vlmspec.target.adapter import load_target
-    from vlmspec.target.profile import profile_target, profile_target_batched
+    from vlmspec.targets.adapter import load_target
+    from vlmspec.targets.profile import profile_target, profile_target_batched
 
     target = load_target(args.target, dtype=args.dtype, attn_implementation=args.attn_implementation, device=args.device)
     if args.requests:

@@ -16,9 +16,9 @@ accepted, the confidences the scheduler saw, the committed tokens):
 ``engine.stream(...).records()`` yields them as they happen. The request's own state
 (sampling, generator, the drafter's state, its output) is a
 :class:`~vlmspec.serving.steps.SpecRequest`; the target's cache and positions are a
-:class:`~vlmspec.target.adapter.RequestState`.
+:class:`~vlmspec.targets.adapter.RequestState`.
 
-What it does not know: Hugging Face, M-RoPE, processors (that is ``vlmspec.target``);
+What it does not know: Hugging Face, M-RoPE, processors (that is ``vlmspec.targets``);
 how drafts are made (``vlmspec.drafters``); acceptance rules (``vlmspec.verify``).
 With ``speculative=False`` the proposer is :class:`NoDraft` and every round verifies the
 anchor alone, so the target-only baseline runs through exactly the same code.
@@ -36,8 +36,8 @@ import torch
 from vlmspec.drafters.base import NoDraft, Proposer
 from vlmspec.scheduling.base import Scheduler, VerifyAll
 from vlmspec.serving.steps import SpecDecoder, SpecRequest
-from vlmspec.target.adapter import QwenVLTarget, RequestState, load_target, prefill_output
-from vlmspec.target.inputs import ImageLike, TargetInputs
+from vlmspec.targets.adapter import QwenVLTarget, RequestState, load_target, prefill_output
+from vlmspec.targets.inputs import ImageLike, TargetInputs
 from vlmspec.types import GenerationResult, RoundRecord
 
 

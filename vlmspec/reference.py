@@ -278,7 +278,7 @@ def reference_processor(tokenizer, image_processor=None, chat_template: str | No
     """A Qwen2-VL processor over the reference tokenizer (no video processor: it needs torchvision)."""
     from transformers import Qwen2VLProcessor
 
-    from vlmspec.target.processor import allow_processor_without_video
+    from vlmspec.targets.processor import allow_processor_without_video
 
     allow_processor_without_video()
     return Qwen2VLProcessor(
@@ -472,7 +472,7 @@ def _replace_directory(new: Path, old: Path) -> None:
 
 
 def load_reference_target(*, dtype: str | torch.dtype = "float32", cache_dir: str | os.PathLike | None = None, **kwargs):
-    """The reference target as a :class:`~vlmspec.target.QwenVLTarget` (``bfloat16`` is much faster on CPU)."""
-    from vlmspec.target.adapter import QwenVLTarget
+    """The reference target as a :class:`~vlmspec.targets.QwenVLTarget` (``bfloat16`` is much faster on CPU)."""
+    from vlmspec.targets.adapter import QwenVLTarget
 
     return QwenVLTarget.from_pretrained(reference_target_dir(cache_dir), dtype=dtype, **kwargs)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-# How a target's M-RoPE positions map to a drafter's 1-D positions (see vlmspec.target.positions).
+# How a target's M-RoPE positions map to a drafter's 1-D positions (see vlmspec.targets.positions).
 DEFAULT_POSITION_RULE = "interpolate"
 
 
@@ -56,7 +56,7 @@ class ContextUpdate:
     """
 
     token_ids: torch.Tensor  # [n] int64, newly committed tokens that have target features
-    positions: torch.Tensor  # [n] int64, their 1-D text-stream positions (see vlmspec.target.positions)
+    positions: torch.Tensor  # [n] int64, their 1-D text-stream positions (see vlmspec.targets.positions)
     features: torch.Tensor | None  # [n, m * d_target] hooked target features, or None if none were asked for
     anchor: int  # last committed token id
     anchor_position: int  # its 1-D text-stream position
@@ -67,7 +67,7 @@ class PrefillOutput:
     """What a host's prefill of one request hands to the step API (``SpecDecoder.start``)."""
 
     token_ids: torch.Tensor  # [L] int64, the prompt
-    positions: torch.Tensor  # [L] int64, the prompt's 1-D text-stream positions (see vlmspec.target.positions)
+    positions: torch.Tensor  # [L] int64, the prompt's 1-D text-stream positions (see vlmspec.targets.positions)
     features: torch.Tensor | None  # [L, m * d_target] hooked target features of the prompt, or None
     logits: torch.Tensor  # [V] the target's prediction after the last prompt token
     next_position: int  # 1-D position of the first generated token (prompt length + rope_delta for Qwen-VL)

@@ -102,7 +102,7 @@ def _load_assistant(engine, assistant: str) -> tuple[Any, str]:
     """The assistant model (on the target's device and dtype) and a short description of it."""
     family = engine.target.family
     if assistant in ("auto", "tiny"):
-        from vlmspec.target.tiny import tiny_model
+        from vlmspec.targets.tiny import tiny_model
 
         model = tiny_model(family, hidden_size=32, num_layers=2, seed=1).to(engine.target.dtype)
         return model, f"tiny random {family}, hidden 32, 2 layers"

@@ -37,7 +37,7 @@ def load_engine(args: argparse.Namespace):
     """A SpecEngine for ``--target`` (a directory, ``tiny:FAMILY`` or ``small:FAMILY``) with ``--drafter`` and ``--scheduler``."""
     from vlmspec.drafters.prompt_lookup import PromptLookup
     from vlmspec.engine import SpecEngine, load_proposer
-    from vlmspec.target import load_target
+    from vlmspec.targets import load_target
 
     scheduler = make_scheduler(args.scheduler, parse_key_values(args.scheduler_arg))
     target = load_target(args.target, dtype=args.dtype, attn_implementation=args.attn_implementation, device=args.device)

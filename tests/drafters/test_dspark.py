@@ -387,7 +387,7 @@ def test_mask_token_id_must_be_reserved():
 
 def test_mask_token_id_against_the_real_qwen_tokenizer(tokenizer):
     """Tiny Qwen-VL vocabularies have no free id: an id is refused, the learned mask vector works."""
-    from vlmspec.target.tiny import QWEN_VOCAB_SIZE
+    from vlmspec.targets.tiny import QWEN_VOCAB_SIZE
 
     target = StubTarget(vocab=QWEN_VOCAB_SIZE, hidden=8)
     target.tokenizer = tokenizer

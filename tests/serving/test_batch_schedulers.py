@@ -30,8 +30,8 @@ from vlmspec.scheduling import (
     sps_preset,
 )
 from vlmspec.serving import BatchEngine
-from vlmspec.target import QwenVLTarget
-from vlmspec.target.tiny import tiny_model, tiny_processor
+from vlmspec.targets import QwenVLTarget
+from vlmspec.targets.tiny import tiny_model, tiny_processor
 from vlmspec.types import DraftBlock, SamplingParams
 
 SCHEDULERS = {

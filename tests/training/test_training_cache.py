@@ -10,7 +10,7 @@ import torch
 from training_helpers import FEATURE_LAYERS, greedy_spec, tiny_drafter, write_cache
 
 from vlmspec.engine import SpecEngine
-from vlmspec.target.inputs import TargetInputs
+from vlmspec.targets.inputs import TargetInputs
 from vlmspec.training import (
     CacheSpec,
     GenerationConfig,

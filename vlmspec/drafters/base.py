@@ -2,7 +2,7 @@
 
 A proposer keeps nothing about a request on itself: ``new_state()`` gives an opaque
 per-request state that the engine stores beside the target's request state and hands
-back every step. Drafters never import ``vlmspec.target``: target features reach them
+back every step. Drafters never import ``vlmspec.targets``: target features reach them
 as plain tensors inside a :class:`~vlmspec.types.ContextUpdate`.
 
 ``propose`` is batched: it drafts for R requests at once (R = 1 for ``SpecEngine``, the
@@ -33,7 +33,7 @@ class Proposer(Protocol):
     #: Vocabulary size the drafter's token ids live in, or None if it only copies target tokens.
     vocab_size: int | None
     #: Name of the rule mapping the target's M-RoPE positions to the 1-D positions this
-    #: proposer sees (see ``vlmspec.target.positions``); stored in a drafter's config so
+    #: proposer sees (see ``vlmspec.targets.positions``); stored in a drafter's config so
     #: training and inference agree.
     position_rule: str
 

@@ -1,7 +1,7 @@
 """BatchEngine: continuous batching of speculative requests, built only from the step API.
 
 The host-engine shape of nano-vllm (``add_request`` / ``step`` / ``abort``), with
-vlmspec's own target forward as the "model runner": a :class:`~vlmspec.target.ragged.RaggedBatch`
+vlmspec's own target forward as the "model runner": a :class:`~vlmspec.targets.ragged.RaggedBatch`
 that verifies every request's anchor plus its scheduled drafts in one packed forward.
 Each :meth:`BatchEngine.step`:
 
@@ -49,9 +49,9 @@ from vlmspec.drafters.base import Proposer
 from vlmspec.engine import context_room, end_at_context, load_proposer, prefill_request
 from vlmspec.scheduling.base import Scheduler
 from vlmspec.serving.steps import SpecDecoder, SpecRequest
-from vlmspec.target.adapter import QwenVLTarget, load_target
-from vlmspec.target.inputs import ImageLike, TargetInputs
-from vlmspec.target.ragged import RaggedBatch
+from vlmspec.targets.adapter import QwenVLTarget, load_target
+from vlmspec.targets.inputs import ImageLike, TargetInputs
+from vlmspec.targets.ragged import RaggedBatch
 from vlmspec.types import DraftBlock, GenerationResult, RoundRecord
 
 # add_request's keyword arguments, which generate_many accepts per request

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from vlmspec.target.adapter import QwenVLTarget
+from vlmspec.targets.adapter import QwenVLTarget
 from vlmspec.training.anchors import sample_anchors, valid_anchor_mask
 from vlmspec.training.prompts import PromptItem
 from vlmspec.training.regenerate import GenerationConfig, RegeneratedSequence, regenerate_items, sequence_seed

@@ -30,7 +30,7 @@ import torch
 
 from vlmspec.data.mmbench import MMBenchQuestion, build_mmbench_prompt, read_mmbench_tsv
 
-ImageLike = Any  # a path, PIL image, numpy array or encoded bytes (vlmspec.target.inputs)
+ImageLike = Any  # a path, PIL image, numpy array or encoded bytes (vlmspec.targets.inputs)
 
 
 @dataclass

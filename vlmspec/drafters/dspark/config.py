@@ -58,7 +58,7 @@ class DSparkConfig:
     # Confidence head: c_k = sigmoid(w . [h_k ; W1[x_{k-1}]]) (with_markov) or sigmoid(w . h_k).
     confidence_head: bool = True
     confidence_with_markov: bool = True
-    # Rule mapping the target's M-RoPE positions to the drafter's 1-D positions (vlmspec.target).
+    # Rule mapping the target's M-RoPE positions to the drafter's 1-D positions (vlmspec.targets).
     position_rule: str = "interpolate"
     target_name: str = ""  # informative only: the target the drafter was built for
     init_std: float = 0.02

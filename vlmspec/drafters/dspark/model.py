@@ -13,7 +13,7 @@ the sequential head's W2. Drafted tokens are always target ids, and ``draft()`` 
 its distributions back onto the whole vocabulary (zero outside the draft set), so
 rejection sampling stays exactly lossless.
 
-The target is duck-typed (drafters never import ``vlmspec.target``): it must expose
+The target is duck-typed (drafters never import ``vlmspec.targets``): it must expose
 ``input_embeddings`` (nn.Embedding), ``output_head`` (nn.Linear [V, d]),
 ``hidden_size``, ``vocab_size``, ``num_layers``, ``tokenizer``, ``dtype``, ``device``
 and ``name``.

@@ -29,7 +29,7 @@ request leaves with :meth:`RaggedBatch.remove`, which moves the last row into th
 (one row copied, not the whole buffer). Rows therefore change index: ``remove`` says which.
 
 Every row's logits and features equal what its request gets alone (float rounding
-apart: the attention sums over a few extra masked slots); tests/target/test_ragged.py
+apart: the attention sums over a few extra masked slots); tests/targets/test_ragged.py
 checks it for every family.
 """
 
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vlmspec.target.adapter import QwenVLTarget, RequestState
+from vlmspec.targets.adapter import QwenVLTarget, RequestState
 
 RAGGED_ATTENTION = "vlmspec_ragged"
 

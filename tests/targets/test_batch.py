@@ -2,7 +2,7 @@
 
 import torch
 
-from vlmspec.target.batch import decode_batch, keep_rows, prefill_batch
+from vlmspec.targets.batch import decode_batch, keep_rows, prefill_batch
 
 
 def test_a_padded_batch_with_an_image_decodes_each_row_as_if_alone(make_target, family, astronaut):

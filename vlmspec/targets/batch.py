@@ -4,7 +4,7 @@ Training caches need the target's own answers to thousands of prompts. One reque
 time, the 135M reference target makes about 24 tokens/s on a 2-core CPU, because each
 forward is dominated by per-layer overhead, not arithmetic; 32 rows in one forward make
 about 5x as many. This module runs such batches with the same per-request position rules
-as :class:`~vlmspec.target.adapter.QwenVLTarget`:
+as :class:`~vlmspec.targets.adapter.QwenVLTarget`:
 
 * every row is left-padded to the longest prompt and masked with a 2-D attention mask;
 * each row's M-RoPE ids are computed from its own unpadded inputs (its own
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vlmspec.target.adapter import QwenVLTarget
-from vlmspec.target.inputs import TargetInputs
-from vlmspec.target.positions import DEFAULT_POSITION_RULE, check_position_rule
+from vlmspec.targets.adapter import QwenVLTarget
+from vlmspec.targets.inputs import TargetInputs
+from vlmspec.targets.positions import DEFAULT_POSITION_RULE, check_position_rule
 
 # Processor outputs that are per token ([1, L]) and must be left-padded with the rows.
 _PER_TOKEN_KWARGS = ("mm_token_type_ids", "token_type_ids")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vlmspec.target.inputs import chat_messages, load_image, load_images
+from vlmspec.targets.inputs import chat_messages, load_image, load_images
 
 
 def test_accepts_pil_path_array_and_bytes(tmp_path, astronaut, coffee):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vlmspec.target.ragged import RaggedBatch
+from vlmspec.targets.ragged import RaggedBatch
 
 LAYERS = (0, 2)
 

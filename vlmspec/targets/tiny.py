@@ -79,7 +79,7 @@ def tiny_processor(family: str, tokenizer=None):
     """A Qwen-VL processor for ``family`` with small image budgets (112-224 px)."""
     from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
-    from vlmspec.target.processor import allow_processor_without_video
+    from vlmspec.targets.processor import allow_processor_without_video
 
     _check_family(family)
     allow_processor_without_video()
@@ -164,8 +164,8 @@ def _check_family(family: str) -> None:
 
 
 def tiny_target(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **config_overrides):
-    """A :class:`~vlmspec.target.QwenVLTarget` over :func:`tiny_model` and :func:`tiny_processor`."""
-    from vlmspec.target.adapter import QwenVLTarget
+    """A :class:`~vlmspec.targets.QwenVLTarget` over :func:`tiny_model` and :func:`tiny_processor`."""
+    from vlmspec.targets.adapter import QwenVLTarget
 
     model = tiny_model(family, seed=seed, dtype=dtype, **config_overrides)
     size = "tiny" if not config_overrides else "small" if config_overrides.get("hidden_size") == 512 else "custom"

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from vlmspec.target.positions import text_stream_positions
+from vlmspec.targets.positions import text_stream_positions
 
 
 def image_prompt_positions():

@@ -21,15 +21,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vlmspec.target.inputs import (
+from vlmspec.targets.inputs import (
     ImageLike,
     TargetInputs,
     chat_messages,
     count_image_slots,
     load_images,
 )
-from vlmspec.target.positions import DEFAULT_POSITION_RULE, check_position_rule, text_stream_positions
-from vlmspec.target.processor import load_processor
+from vlmspec.targets.positions import DEFAULT_POSITION_RULE, check_position_rule, text_stream_positions
+from vlmspec.targets.processor import load_processor
 from vlmspec.types import PrefillOutput
 
 # model_type -> family name used across vlmspec
@@ -414,7 +414,7 @@ def load_target(
         spec = reference_target_dir()
     kind, _, family = str(spec).partition(":")
     if kind in RANDOM_TARGET_SIZES and family:
-        from vlmspec.target.tiny import tiny_target
+        from vlmspec.targets.tiny import tiny_target
 
         target = tiny_target(family, dtype=resolve_dtype(dtype), **RANDOM_TARGET_SIZES[kind])
         return target.to_device(device)

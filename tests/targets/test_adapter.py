@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from vlmspec.target import QwenVLTarget
+from vlmspec.targets import QwenVLTarget
 
 
 def test_multi_token_verify_and_rollback_match_one_token_decoding(make_target, family, astronaut):

@@ -2,7 +2,7 @@
 
 :func:`profile_target` times one request's verify forward of 1..N tokens;
 :func:`profile_target_batched` times the ragged forward R concurrent requests share
-(:class:`~vlmspec.target.ragged.RaggedBatch`), for each R asked for, with B tokens from R
+(:class:`~vlmspec.targets.ragged.RaggedBatch`), for each R asked for, with B tokens from R
 (anchors only) to ``R * (1 + gamma)`` spread as evenly over the rows as a step would.
 """
 
@@ -13,9 +13,9 @@ import torch
 from collections.abc import Sequence
 
 from vlmspec.scheduling.profiling import BatchSPSTable, SPSTable, profile_forward
-from vlmspec.target.adapter import QwenVLTarget
-from vlmspec.target.inputs import TargetInputs
-from vlmspec.target.ragged import RaggedBatch
+from vlmspec.targets.adapter import QwenVLTarget
+from vlmspec.targets.inputs import TargetInputs
+from vlmspec.targets.ragged import RaggedBatch
 
 FILLER = "The quick brown fox jumps over the lazy dog while the committee reviews the quarterly report. "
 
