@@ -43,7 +43,7 @@ class Timer:
         self.start = 0.0
         self.seconds = 0.0
 
-    def __enter__(self) -> "Timer":
+    def __enter__(self) -> Timer:
         self.start = time.perf_counter()
         return self
 

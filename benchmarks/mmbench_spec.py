@@ -39,15 +39,14 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file (python benchmarks/x.py): make the package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vlmspec.data.mmbench import RowProblem
-from vlmspec.scheduling.factory import SCHEDULERS, describe_schedulers
-
 from benchmarks.common import log, prepare_out_dir
 from benchmarks.spec.loop import Benchmark
 from benchmarks.spec.peers import build_peers
 from benchmarks.spec.report import build_report, render_summary, write_report
 from benchmarks.spec.runs import Settings, load_engine
 from benchmarks.spec.workloads import Task, easy_vqa_tasks, mmbench_tasks, prompt_set_tasks, skimage_open_tasks
+from vlmspec.data.mmbench import RowProblem
+from vlmspec.scheduling.factory import SCHEDULERS, describe_schedulers
 
 
 def build_parser() -> argparse.ArgumentParser:

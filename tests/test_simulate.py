@@ -187,7 +187,7 @@ def test_page_is_self_contained(tmp_path, preset):
     for element_id in (*outputs, "preset", "gamma", "table", "batch-r"):
         assert f'id="{element_id}"' in page
     for k in range(1, MAX_GAMMA + 1):
-        assert f'<input type="range" id="c-{k}"' in page and f'step="0.01"' in page and f'<label for="c-{k}">' in page
+        assert f'<input type="range" id="c-{k}"' in page and 'step="0.01"' in page and f'<label for="c-{k}">' in page
 
 
 @pytest.mark.parametrize("source", ["preset", "measured"])
@@ -389,10 +389,10 @@ def check_displayed(page, table: SPSTable, confidences: list[float]) -> tuple[in
     assert int(shown["causal-choice"]["value"]) == int(shown["causal-choice"]["text"]) == causal, label
     assert int(shown["retro-choice"]["value"]) == int(shown["retro-choice"]["text"]) == retro, label
     assert retro == global_best(theta) and causal == first_drop(theta), label  # the library's own helpers agree
-    for key, l in (("causal-theta", causal), ("retro-theta", retro)):
+    for key, length in (("causal-theta", causal), ("retro-theta", retro)):
         value = float(shown[key]["value"])
-        assert math.isclose(value, theta[l], rel_tol=TOL, abs_tol=TOL), (label, key, value, theta[l])
-        assert math.isclose(float(shown[key]["text"]), theta[l], rel_tol=1e-3), (label, key, shown[key]["text"])
+        assert math.isclose(value, theta[length], rel_tol=TOL, abs_tol=TOL), (label, key, value, theta[length])
+        assert math.isclose(float(shown[key]["text"]), theta[length], rel_tol=1e-3), (label, key, shown[key]["text"])
     return causal, retro
 
 

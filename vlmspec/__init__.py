@@ -6,8 +6,6 @@ engines embed, the target adapter, the protocols and the schedulers.
 
 from vlmspec.drafters import DSparkConfig, DSparkDrafter, NoDraft, PerRequestProposer, PromptLookup, Proposer
 from vlmspec.engine import SpecEngine
-from vlmspec.serving.engine import BatchEngine, StepOutput
-from vlmspec.serving.steps import SpecDecoder, SpecRequest
 from vlmspec.scheduling import (
     LaggedTopKScheduler,
     PrefixScheduler,
@@ -18,6 +16,8 @@ from vlmspec.scheduling import (
     VerifyAll,
     build_scheduler,
 )
+from vlmspec.serving.engine import BatchEngine, StepOutput
+from vlmspec.serving.steps import SpecDecoder, SpecRequest
 from vlmspec.targets import QwenVLTarget, load_target
 from vlmspec.types import DraftBlock, GenerationResult, SamplingParams, SpecStats, VerifyResult
 

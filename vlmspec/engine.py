@@ -73,7 +73,7 @@ class SpecEngine:
         dtype: str | torch.dtype = "float32",
         attn_implementation: str = "sdpa",
         device: str | torch.device = "cpu",
-    ) -> "SpecEngine":
+    ) -> SpecEngine:
         """Load a target from a local directory (or ``tiny:FAMILY``) and attach a drafter.
 
         ``target_dir`` may also be ``"reference"``: the bundled real-weights reference
@@ -126,7 +126,7 @@ class SpecEngine:
         seed: int = 0,
         stop: str | Sequence[str] | None = None,
         speculative: bool = True,
-    ) -> "GenerationStream":
+    ) -> GenerationStream:
         """Like :meth:`generate`, but iterate over the result to get text as it is committed.
 
         Arguments are validated here, before anything runs; ``stream.result`` holds the

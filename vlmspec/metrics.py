@@ -106,7 +106,6 @@ def expected_calibration_error_rows(probs: torch.Tensor, labels: torch.Tensor, n
     index = (p * num_bins).floor().to(torch.int64).clamp(0, num_bins - 1)  # [G, n]
     flat = (index + num_bins * torch.arange(rows).unsqueeze(1)).reshape(-1)  # [G * n], one bin range per row
     size = rows * num_bins
-    count = torch.bincount(flat, minlength=size).to(torch.float64)
     sum_p = torch.zeros(size, dtype=torch.float64).index_add_(0, flat, p.reshape(-1))
     sum_y = torch.zeros(size, dtype=torch.float64).index_add_(0, flat, y.expand(rows, n).reshape(-1))
     return ((sum_p - sum_y).abs().reshape(rows, num_bins).sum(1)) / n  # sum_b |n_b * (mean_p - mean_y)| / n

@@ -6,10 +6,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from vlmspec.types import SpecStats
-
 from benchmarks.common import safe_ratio, summarize
 from benchmarks.spec.runs import QuestionResult, first_difference
+from vlmspec.types import SpecStats
 
 
 def aggregate_speedup(results: Sequence[QuestionResult], variant: str = "vlmspec", baseline: str = "target") -> float | None:

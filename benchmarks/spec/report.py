@@ -7,8 +7,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vlmspec.data.mmbench import RowProblem
-
 from benchmarks.common import (
     environment_info,
     markdown_table,
@@ -23,6 +21,7 @@ from benchmarks.spec.aggregate import TIME_PARTS, question_record, summarize_res
 from benchmarks.spec.loop import Benchmark, describe_difference
 from benchmarks.spec.peers import Peer
 from benchmarks.spec.runs import QuestionResult, Settings, parse_key_values
+from vlmspec.data.mmbench import RowProblem
 
 
 def verdict(summary: Mapping[str, Any], settings: Settings) -> dict[str, Any]:

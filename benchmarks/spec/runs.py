@@ -8,10 +8,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlmspec.scheduling import Scheduler, build_scheduler
-
 from benchmarks.common import Timer, safe_ratio
 from benchmarks.spec.workloads import Task
+from vlmspec.scheduling import Scheduler, build_scheduler
 
 
 def parse_key_values(pairs: Sequence[str]) -> dict[str, Any]:

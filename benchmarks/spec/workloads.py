@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlmspec.data.mmbench import RowProblem, build_mmbench_prompt, read_mmbench_tsv
-
 from benchmarks.common import shrink_image, skimage_image
 from benchmarks.spec.choices import extract_choice, normalize_words
+from vlmspec.data.mmbench import RowProblem, build_mmbench_prompt, read_mmbench_tsv
 
 
 @dataclass

@@ -19,7 +19,6 @@ from benchmarks.common import (
     safe_ratio,
     shrink_image,
     summarize,
-    to_jsonable,
     write_json,
 )
 

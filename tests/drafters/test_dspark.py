@@ -12,8 +12,8 @@ import math
 
 import pytest
 import torch
-from torch import nn
 from stat_helpers import chi_square_p_value
+from torch import nn
 
 from vlmspec.drafters.base import Proposer
 from vlmspec.drafters.dspark import (

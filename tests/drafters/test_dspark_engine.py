@@ -12,7 +12,7 @@ then overlaps the target well enough that drafts are both accepted and rejected.
 from __future__ import annotations
 
 import torch
-from stat_helpers import PROMPT, SUPPORT, chi_square_p_value, exact_first_tokens, sample_first_tokens
+from stat_helpers import PROMPT, SUPPORT, chi_square_p_value, exact_first_tokens
 
 from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter
 from vlmspec.engine import SpecEngine

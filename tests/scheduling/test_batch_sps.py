@@ -6,8 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from vlmspec.scheduling import BatchSPSTable, LaggedTopKScheduler, PrefixScheduler, SPSArgmaxScheduler, SPSTable
-from vlmspec.scheduling import load_sps_table, sps_preset
+from vlmspec.scheduling import (
+    BatchSPSTable,
+    LaggedTopKScheduler,
+    PrefixScheduler,
+    SPSArgmaxScheduler,
+    SPSTable,
+    load_sps_table,
+    sps_preset,
+)
 
 
 def curve(requests: int, per_token: float, gamma: int = 3) -> SPSTable:

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from vlmspec.scheduling import (
-    Calibration,
+    SCHEDULER_CLASSES,
     CalibratedScheduler,
+    Calibration,
     LaggedTopKScheduler,
     PrefixScheduler,
     Scheduler,
-    SCHEDULER_CLASSES,
     SPSArgmaxScheduler,
     SPSMeta,
     SPSTable,
@@ -54,7 +54,7 @@ def exhaustive_best(survival: torch.Tensor, drafted: torch.Tensor, table: SPSTab
     best = -np.inf
     for lengths in itertools.product(*(range(int(d) + 1) for d in drafted)):
         tokens = num_requests + sum(lengths)
-        tau = num_requests + sum(float(prefix_gain[r, l]) for r, l in enumerate(lengths))
+        tau = num_requests + sum(float(prefix_gain[r, n]) for r, n in enumerate(lengths))
         best = max(best, tau * table.sps(tokens))
     return best
 

@@ -13,14 +13,14 @@ def test_a_padded_batch_with_an_image_decodes_each_row_as_if_alone(make_target, 
     layers = (0, 2)
     state, step = prefill_batch(target, batch, feature_layers=layers)
     alone = [target.prefill(inputs, feature_layers=layers) for inputs in batch]
-    for row, (row_state, row_step) in enumerate(alone):
+    for row, (_, row_step) in enumerate(alone):
         torch.testing.assert_close(step.logits[row], row_step.logits[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(step.features[row], row_step.features, atol=1e-4, rtol=1e-4)
         assert torch.equal(step.positions[row], row_step.positions)
     tokens = step.logits.argmax(-1)
     for _ in range(3):  # greedy steps: each row follows its own one-request decoding
         step = decode_batch(target, state, tokens)
-        for row, (row_state, row_step) in enumerate(alone):
+        for row, (row_state, _) in enumerate(alone):
             single = target.verify(row_state, [int(tokens[row])])
             target.rollback(row_state, keep=1)
             torch.testing.assert_close(step.logits[row], single.logits[0], atol=1e-4, rtol=1e-4)

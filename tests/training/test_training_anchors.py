@@ -8,9 +8,9 @@ from training_helpers import tiny_drafter
 
 from vlmspec.training import (
     CachedSequence,
-    checked_flex,
     PackedDataset,
     block_targets,
+    checked_flex,
     collate,
     pack_sequence,
     packed_hidden,

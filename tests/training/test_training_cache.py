@@ -25,8 +25,8 @@ from vlmspec.training import (
     regenerate_item,
     target_fingerprint,
 )
-from vlmspec.training.packing import collate
 from vlmspec.training.cache import select_rows
+from vlmspec.training.packing import collate
 
 
 def assert_same_sequence(a, b) -> None:

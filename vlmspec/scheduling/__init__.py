@@ -12,15 +12,21 @@
 """
 
 from vlmspec.scheduling.base import Scheduler, VerifyAll, survival_probabilities
-from vlmspec.scheduling.factory import SCHEDULER_CLASSES, SCHEDULERS, build_scheduler, describe_schedulers, resolve_sps_table
 from vlmspec.scheduling.calibration import (
-    Calibration,
     CalibratedScheduler,
+    Calibration,
     RoundRecorder,
     RoundRecords,
     fit_sts,
     plot_reliability,
     synthetic_records,
+)
+from vlmspec.scheduling.factory import (
+    SCHEDULER_CLASSES,
+    SCHEDULERS,
+    build_scheduler,
+    describe_schedulers,
+    resolve_sps_table,
 )
 from vlmspec.scheduling.prefix import LaggedTopKScheduler, PrefixScheduler, rank_candidates
 from vlmspec.scheduling.profiling import (

@@ -127,7 +127,7 @@ class BatchEngine:
         dtype: str | torch.dtype = "float32",
         attn_implementation: str = "sdpa",
         device: str | torch.device = "cpu",
-    ) -> "BatchEngine":
+    ) -> BatchEngine:
         """A target (directory, ``"reference"``, ``tiny:FAMILY``) and a drafter, as for ``SpecEngine.from_pretrained``.
 
         ``attn_implementation`` applies to prefills; decode steps use the ragged batch's own attention.

@@ -100,7 +100,7 @@ class QwenVLTarget:
         dtype: str | torch.dtype = "float32",
         attn_implementation: str = "sdpa",
         device: str | torch.device = "cpu",
-    ) -> "QwenVLTarget":
+    ) -> QwenVLTarget:
         """Load a Qwen-VL model and its processor from a local directory (no hub access)."""
         from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -124,7 +124,7 @@ class QwenVLTarget:
         ).to(device)
         return cls(model, load_processor(path, config.model_type), name=str(path))
 
-    def to_device(self, device: str | torch.device) -> "QwenVLTarget":
+    def to_device(self, device: str | torch.device) -> QwenVLTarget:
         self.model.to(device)
         return self
 

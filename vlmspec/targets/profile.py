@@ -8,9 +8,9 @@
 
 from __future__ import annotations
 
-import torch
-
 from collections.abc import Sequence
+
+import torch
 
 from vlmspec.scheduling.profiling import BatchSPSTable, SPSTable, profile_forward
 from vlmspec.targets.adapter import QwenVLTarget

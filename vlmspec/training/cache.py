@@ -115,10 +115,10 @@ class CacheSpec:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "CacheSpec":
+    def from_dict(cls, data: dict[str, Any]) -> CacheSpec:
         return cls(**{**data, "generation": GenerationConfig(**data["generation"])})
 
-    def differences(self, other: "CacheSpec") -> list[str]:
+    def differences(self, other: CacheSpec) -> list[str]:
         """Human-readable mismatches between two specs (empty when compatible)."""
         problems = []
         mine, theirs = self.to_dict(), other.to_dict()

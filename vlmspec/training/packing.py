@@ -52,7 +52,7 @@ class PackedBatch:
     valid: torch.Tensor  # [B, A, G] bool, False on padding anchors
     target_hidden: torch.Tensor  # [B, A, G, d]
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "PackedBatch":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
         """Move every tensor (what accelerate's prepared DataLoader calls)."""
         moved = {f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)}
         return PackedBatch(**moved)

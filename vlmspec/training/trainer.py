@@ -34,10 +34,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from vlmspec.drafters.dspark import DSparkDrafter
-from vlmspec.training.packing import PackedBatch, PackedDataset, collate
 from vlmspec.training.attention import checked_flex, packed_hidden, resolve_attention
 from vlmspec.training.cache import TargetCache
 from vlmspec.training.losses import LossSums, LossWeights, block_terms, position_weights, reduce_terms
+from vlmspec.training.packing import PackedBatch, PackedDataset, collate
 
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 
@@ -369,7 +369,7 @@ class Trainer:
         self._write_metrics(record)
         return record
 
-    def _log_train(self, window: "_Window") -> dict[str, Any]:
+    def _log_train(self, window: _Window) -> dict[str, Any]:
         summary = window.summary(self.accelerator)
         record = {
             "step": self.state.step,

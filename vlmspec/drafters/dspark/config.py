@@ -151,7 +151,7 @@ class DSparkConfig:
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def for_target(cls, target: Any, **overrides: Any) -> "DSparkConfig":
+    def for_target(cls, target: Any, **overrides: Any) -> DSparkConfig:
         """A config sized for ``target`` (duck-typed), with ``overrides`` applied.
 
         Defaults: the drafter's hidden size equals the target's; 2 layers; head_dim 128
@@ -193,7 +193,7 @@ class DSparkConfig:
         path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     @classmethod
-    def load(cls, directory: str | os.PathLike) -> "DSparkConfig":
+    def load(cls, directory: str | os.PathLike) -> DSparkConfig:
         path = Path(directory) / CONFIG_NAME
         if not path.is_file():
             raise FileNotFoundError(

@@ -27,7 +27,6 @@ caller.
 from __future__ import annotations
 
 import abc
-
 from dataclasses import dataclass
 
 import torch

@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from vlmspec.drafters.dspark.backbone import ContextKV, DSparkBackbone, RMSNorm, anchor_block_mask
-from vlmspec.drafters.dspark.config import DSparkConfig
 from vlmspec.drafters.dspark.confidence import ConfidenceHead
+from vlmspec.drafters.dspark.config import DSparkConfig
 from vlmspec.drafters.dspark.heads import HeadSample, build_head
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class DSparkDrafter(nn.Module):
 
     # ------------------------------------------------------------------ building and io
     @classmethod
-    def from_target(cls, target: Any, config: DSparkConfig | None = None, **overrides: Any) -> "DSparkDrafter":
+    def from_target(cls, target: Any, config: DSparkConfig | None = None, **overrides: Any) -> DSparkDrafter:
         """A fresh, randomly initialised drafter for ``target``.
 
         ``config`` defaults to ``DSparkConfig.for_target(target, **overrides)``. The
@@ -149,7 +149,7 @@ class DSparkDrafter(nn.Module):
         save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "target": self.config.target_name})
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike, *, target: Any) -> "DSparkDrafter":
+    def from_pretrained(cls, directory: str | os.PathLike, *, target: Any) -> DSparkDrafter:
         """Load a drafter saved by :meth:`save_pretrained` and tie it to ``target``."""
         from safetensors.torch import load_file
 
@@ -193,7 +193,7 @@ class DSparkDrafter(nn.Module):
             raise ValueError(f"draft token ids must lie in [0, {self.config.target_vocab_size}), the target vocabulary")
         self.draft_token_ids.copy_(token_ids.to(self.draft_token_ids.device))
 
-    def proposer(self) -> "DSparkProposer":
+    def proposer(self) -> DSparkProposer:
         """This drafter behind the engine's Proposer protocol."""
         from vlmspec.drafters.dspark.proposer import DSparkProposer
 
