@@ -209,8 +209,11 @@ def _git_commit() -> str | None:
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, timeout=5, cwd=Path(__file__).resolve().parent,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
@@ -280,12 +283,19 @@ def plot_grouped_bars(
         shown = [(x, v) for x, v in zip(xs, values) if v is not None and math.isfinite(v)]
         if not shown:
             continue
-        bars = axes.bar([x for x, _ in shown], [v for _, v in shown], width, label=name, color=PALETTE[k % len(PALETTE)])
+        bars = axes.bar(
+            [x for x, _ in shown], [v for _, v in shown], width, label=name, color=PALETTE[k % len(PALETTE)]
+        )
         if annotate:
             axes.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
     if reference is not None:
         axes.axhline(reference, color="grey", linestyle="--", linewidth=1)
-    axes.set_xticks(range(len(categories)), [str(c) for c in categories], rotation=30 if len(categories) > 4 else 0, ha="right" if len(categories) > 4 else "center")
+    axes.set_xticks(
+        range(len(categories)),
+        [str(c) for c in categories],
+        rotation=30 if len(categories) > 4 else 0,
+        ha="right" if len(categories) > 4 else "center",
+    )
     axes.set_ylabel(ylabel)
     axes.set_title(title)
     axes.margins(y=0.12)  # room for the value labels
@@ -310,7 +320,9 @@ def plot_lines(
         points = [(x, y) for x, y in zip(xs, ys) if y is not None and math.isfinite(y)]
         if not points:
             continue
-        axes.plot([x for x, _ in points], [y for _, y in points], marker="o", label=name, color=PALETTE[k % len(PALETTE)])
+        axes.plot(
+            [x for x, _ in points], [y for _, y in points], marker="o", label=name, color=PALETTE[k % len(PALETTE)]
+        )
         drawn += 1
     if drawn == 0:
         axes.text(0.5, 0.5, "no data", ha="center", va="center", transform=axes.transAxes)
@@ -346,7 +358,12 @@ def plot_stacked_bars(
         heights = _finite_or_zero(values)
         axes.bar(range(len(labels)), heights, 0.6, bottom=bottom, label=name, color=PALETTE[k % len(PALETTE)])
         bottom = [b + h for b, h in zip(bottom, heights)]
-    axes.set_xticks(range(len(labels)), list(labels), rotation=30 if len(labels) > 4 else 0, ha="right" if len(labels) > 4 else "center")
+    axes.set_xticks(
+        range(len(labels)),
+        list(labels),
+        rotation=30 if len(labels) > 4 else 0,
+        ha="right" if len(labels) > 4 else "center",
+    )
     axes.set_ylabel(ylabel)
     axes.set_title(title)
     _outside_legend(axes)

@@ -64,10 +64,15 @@ IMAGE_PROMPT = "Describe the image in detail."
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--target", default="reference", help="'reference', a Qwen-VL directory, or tiny:FAMILY")
-    parser.add_argument("--drafter", default="reference",
-                        help="'reference', 'reference-dflash', a DSpark drafter directory, or 'untrained' (random, for smoke runs)")
+    parser.add_argument(
+        "--drafter",
+        default="reference",
+        help="'reference', 'reference-dflash', a DSpark drafter directory, or 'untrained' (random, for smoke runs)",
+    )
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--concurrency", default="1,4,16,32", help="comma-separated numbers of concurrent requests")
     parser.add_argument("--modes", default="greedy,sampled", help="greedy and/or sampled")
@@ -76,7 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.7, help="for the sampled mode")
     parser.add_argument("--top-p", type=float, default=None, help="for the sampled mode")
     parser.add_argument("--threshold", type=float, default=0.5, help="confidence threshold of the threshold variant")
-    parser.add_argument("--sps", default=None, help="a batch SPS table (vlmspec profile --requests ...); measured here if omitted")
+    parser.add_argument(
+        "--sps", default=None, help="a batch SPS table (vlmspec profile --requests ...); measured here if omitted"
+    )
     parser.add_argument("--profile-context", type=int, default=160, help="cached tokens per request while profiling")
     parser.add_argument("--profile-repeats", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs of every cell (the fastest counts)")
@@ -126,8 +133,15 @@ def workload(args: argparse.Namespace, count: int) -> list[Task]:
     tasks = []
     for i in range(count):
         if i % 2 == 0:
-            tasks.append(Task(workload="image", qid=f"image-{i}", group="image", prompt=IMAGE_PROMPT,
-                              images=image_tasks[(i // 2) % len(image_tasks)].images))  # fmt: skip
+            tasks.append(
+                Task(
+                    workload="image",
+                    qid=f"image-{i}",
+                    group="image",
+                    prompt=IMAGE_PROMPT,
+                    images=image_tasks[(i // 2) % len(image_tasks)].images,
+                )
+            )
         else:
             tasks.append(text_tasks[(i // 2) % len(text_tasks)])
     return tasks
@@ -135,8 +149,10 @@ def workload(args: argparse.Namespace, count: int) -> list[Task]:
 
 def requests_for(tasks: list[Task], mode: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     sampling = dict(temperature=args.temperature, top_p=args.top_p) if mode == "sampled" else {}
-    return [dict(images=task.image_arg, prompt=task.prompt, max_new_tokens=args.max_new_tokens, seed=i, **sampling)
-            for i, task in enumerate(tasks)]  # fmt: skip
+    return [
+        dict(images=task.image_arg, prompt=task.prompt, max_new_tokens=args.max_new_tokens, seed=i, **sampling)
+        for i, task in enumerate(tasks)
+    ]
 
 
 def sps_table(args: argparse.Namespace, target, gamma: int, out: Path):
@@ -147,8 +163,14 @@ def sps_table(args: argparse.Namespace, target, gamma: int, out: Path):
     if args.sps:
         return load_sps_table(args.sps)
     log(f"profiling the batched verification forward for {args.levels} requests (gamma {gamma}) ...")
-    table = profile_target_batched(target, requests=args.levels, gamma=gamma, context_length=args.profile_context,
-                                   warmup=1, repeats=args.profile_repeats)  # fmt: skip
+    table = profile_target_batched(
+        target,
+        requests=args.levels,
+        gamma=gamma,
+        context_length=args.profile_context,
+        warmup=1,
+        repeats=args.profile_repeats,
+    )
     table.save(out / "sps.json")
     return table
 
@@ -199,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     tasks = workload(args, max(args.levels))
     log("warming up ...")
     for variant in args.variant_list:
-        make_engine(variant, target, proposer, table, args, 2).generate_many(requests_for(tasks[:2], "greedy", args)[:2])
+        make_engine(variant, target, proposer, table, args, 2).generate_many(
+            requests_for(tasks[:2], "greedy", args)[:2]
+        )
 
     cells = []
     for mode in args.mode_list:
@@ -231,22 +255,59 @@ def main(argv: list[str] | None = None) -> int:
 # ------------------------------------------------------------------------------------ outputs
 def write_outputs(out: Path, args: argparse.Namespace, cells: list[dict[str, Any]], table) -> None:
     settings = {k: v for k, v in vars(args).items() if k not in ("out",)}
-    write_json(out / "concurrency.json", {"environment": environment_info(), "settings": settings, "cells": cells,
-                                          "sps_table": None if table is None else table.to_dict()})  # fmt: skip
-    headers = ["mode", "concurrent", "variant", "tokens/s", "vs alone", "tau", "verified/step", "latency mean s",
-               "latency p90 s", "identical"]  # fmt: skip
-    rows = [[c["mode"], c["concurrency"], c["variant"], c["tokens_per_s"], c.get("vs_alone"), c["tau"], c["mean_verified"],
-             c["latency_mean_s"], c["latency_p90_s"], c.get("identical")] for c in cells]  # fmt: skip
-    note = (f"target {args.target}, drafter {args.drafter}, {args.dtype}, {args.max_new_tokens} new tokens per request, "
-            f"half the requests with an image; sampled: temperature {args.temperature}")  # fmt: skip
+    write_json(
+        out / "concurrency.json",
+        {
+            "environment": environment_info(),
+            "settings": settings,
+            "cells": cells,
+            "sps_table": None if table is None else table.to_dict(),
+        },
+    )
+    headers = [
+        "mode",
+        "concurrent",
+        "variant",
+        "tokens/s",
+        "vs alone",
+        "tau",
+        "verified/step",
+        "latency mean s",
+        "latency p90 s",
+        "identical",
+    ]
+    rows = [
+        [
+            c["mode"],
+            c["concurrency"],
+            c["variant"],
+            c["tokens_per_s"],
+            c.get("vs_alone"),
+            c["tau"],
+            c["mean_verified"],
+            c["latency_mean_s"],
+            c["latency_p90_s"],
+            c.get("identical"),
+        ]
+        for c in cells
+    ]
+    note = (
+        f"target {args.target}, drafter {args.drafter}, {args.dtype}, {args.max_new_tokens} new tokens per request, "
+        f"half the requests with an image; sampled: temperature {args.temperature}"
+    )
     write_text(out / "concurrency.md", f"{note}\n\n{markdown_table(headers, rows)}")
     for mode in args.mode_list:
         series = {}
         for variant in args.variant_list:
             mine = [c for c in cells if c["mode"] == mode and c["variant"] == variant]
             series[variant] = ([c["concurrency"] for c in mine], [c["tokens_per_s"] for c in mine])
-        plot_lines(out / f"throughput_{mode}.png", series, title=f"BatchEngine throughput ({mode})",
-                   xlabel="concurrent requests", ylabel="output tokens / s")  # fmt: skip
+        plot_lines(
+            out / f"throughput_{mode}.png",
+            series,
+            title=f"BatchEngine throughput ({mode})",
+            xlabel="concurrent requests",
+            ylabel="output tokens / s",
+        )
     log(f"wrote {out / 'concurrency.json'}, {out / 'concurrency.md'} and the throughput plots")
 
 

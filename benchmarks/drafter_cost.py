@@ -60,7 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
     parser.add_argument("--heads", default=",".join(HEAD_KINDS), help=f"head kinds among {HEAD_KINDS}")
     parser.add_argument("--rank", type=int, default=256, help="sequential head rank r")
-    parser.add_argument("--target", default=None, help="'reference' for the bundled real-weights target (default: random)")
+    parser.add_argument(
+        "--target", default=None, help="'reference' for the bundled real-weights target (default: random)"
+    )
     parser.add_argument("--draft-vocab", type=int, default=None, help="reduced draft vocabulary size (default: all)")
     parser.add_argument("--hidden", type=int, default=512, help="target (and drafter) hidden size")
     parser.add_argument("--layers", type=int, default=8, help="target decoder layers")
@@ -88,8 +90,14 @@ def build_target(args: argparse.Namespace):
 
 
 def build_drafter(target, head_kind: str, gamma: int, rank: int, draft_vocab: int | None) -> DSparkDrafter:
-    config = DSparkConfig.for_target(target, block_size=gamma, head_kind=head_kind, head_rank=rank,
-                                     confidence_with_markov=head_kind != "none", draft_vocab_size=draft_vocab)  # fmt: skip
+    config = DSparkConfig.for_target(
+        target,
+        block_size=gamma,
+        head_kind=head_kind,
+        head_rank=rank,
+        confidence_with_markov=head_kind != "none",
+        draft_vocab_size=draft_vocab,
+    )
     drafter = DSparkDrafter.from_target(target, config).eval()
     if draft_vocab:  # the cost does not depend on which ids: take the first ones
         drafter.set_draft_vocabulary(torch.arange(draft_vocab))
@@ -175,13 +183,21 @@ def measure(target, args: argparse.Namespace) -> tuple[list[dict], dict]:
             for kind in heads:
                 median = {stage: statistics.median(s[stage] for s in samples[kind]) for stage in STAGES}
                 round_s = sum(median.values())
-                rows.append({
-                    "head": kind, "gamma": gamma, "batch": batch, "round_s": round_s,
-                    "head_share": median["head_loop"] / round_s, "lm_head_share": median["lm_head"] / round_s,
-                    **{f"{stage}_s": seconds for stage, seconds in median.items()},
-                })  # fmt: skip
-                log(f"{kind:8s} gamma {gamma:2d} batch {batch}: round {1e3 * round_s:7.1f} ms, "
-                    f"head loop {100 * median['head_loop'] / round_s:4.1f}%")  # fmt: skip
+                rows.append(
+                    {
+                        "head": kind,
+                        "gamma": gamma,
+                        "batch": batch,
+                        "round_s": round_s,
+                        "head_share": median["head_loop"] / round_s,
+                        "lm_head_share": median["lm_head"] / round_s,
+                        **{f"{stage}_s": seconds for stage, seconds in median.items()},
+                    }
+                )
+                log(
+                    f"{kind:8s} gamma {gamma:2d} batch {batch}: round {1e3 * round_s:7.1f} ms, "
+                    f"head loop {100 * median['head_loop'] / round_s:4.1f}%"
+                )
         del drafters, caches
     target_times = {n: statistics.median(v) for n, v in sorted(target_samples.items())}
     return rows, {"context": target_state.length, "forward_s": target_times}
@@ -217,11 +233,34 @@ def main(argv: list[str] | None = None) -> None:
         row["round_over_target_step"] = row["round_s"] / step_s if row["batch"] == 1 else None
 
     head_table = markdown_table(
-        ["head", "gamma", "batch", "round ms", "head loop ms", "head share", "LM head share", "backbone ms",
-         "append ms", "round / target step"],
-        [[r["head"], r["gamma"], r["batch"], 1e3 * r["round_s"], 1e3 * r["head_loop_s"], r["head_share"],
-          r["lm_head_share"], 1e3 * r["backbone_s"], 1e3 * r["append_s"], r["round_over_target_step"]] for r in rows],
-    )  # fmt: skip
+        [
+            "head",
+            "gamma",
+            "batch",
+            "round ms",
+            "head loop ms",
+            "head share",
+            "LM head share",
+            "backbone ms",
+            "append ms",
+            "round / target step",
+        ],
+        [
+            [
+                r["head"],
+                r["gamma"],
+                r["batch"],
+                1e3 * r["round_s"],
+                1e3 * r["head_loop_s"],
+                r["head_share"],
+                r["lm_head_share"],
+                1e3 * r["backbone_s"],
+                1e3 * r["append_s"],
+                r["round_over_target_step"],
+            ]
+            for r in rows
+        ],
+    )
     target_table = markdown_table(
         ["target forward", "ms", "x one step"],
         [[f"{n} token(s)", 1e3 * t, t / step_s] for n, t in target_times["forward_s"].items()],
@@ -235,8 +274,10 @@ def main(argv: list[str] | None = None) -> None:
         f"Machine: {env['processor']}, {env['cpu_count']} CPUs, torch {env['torch']}.\n"
     )
     write_text(out / "drafter_cost.md", f"{header}\n## Drafting round\n\n{head_table}\n\n## Target\n\n{target_table}\n")
-    write_json(out / "drafter_cost.json", {"args": vars(args), "environment": env, "feature_layers": layers,
-                                           "target": target_times, "rounds": rows})  # fmt: skip
+    write_json(
+        out / "drafter_cost.json",
+        {"args": vars(args), "environment": env, "feature_layers": layers, "target": target_times, "rounds": rows},
+    )
     for batch in sorted({r["batch"] for r in rows}):
         chosen = [r for r in rows if r["batch"] == batch]
         plot_stacked_bars(

@@ -30,53 +30,154 @@ if __package__ in (None, ""):  # run as a file (python benchmarks/x.py): make th
 from benchmarks.common import skimage_image
 
 #: Column order of an MMBench TSV (the E column is present; empty where a row has four options).
-MMBENCH_COLUMNS = ("index", "question", "hint", "A", "B", "C", "D", "E", "answer", "category", "l2-category", "split", "image")
+MMBENCH_COLUMNS = (
+    "index",
+    "question",
+    "hint",
+    "A",
+    "B",
+    "C",
+    "D",
+    "E",
+    "answer",
+    "category",
+    "l2-category",
+    "split",
+    "image",
+)
 
 # (skimage image, question, hint, options, answer, category, l2-category). Categories and
 # l2-categories use MMBench's own names.
 FIXTURE_ROWS: tuple[tuple[str, str, str, tuple[str, ...], str, str, str], ...] = (
-    ("astronaut", "What is the person in the image wearing?", "",
-     ("A space suit", "A wedding dress", "A diving suit", "A chef's uniform"), "A",
-     "attribute_recognition", "finegrained_perception (instance-level)"),
-    ("coffee", "What drink is served in the cup?", "",
-     ("Orange juice", "Coffee", "Red wine", "Milk"), "B",
-     "image_topic", "coarse_perception"),
-    ("chelsea", "Which animal is shown in the picture?", "",
-     ("A dog", "A rabbit", "A cat", "A fox"), "C",
-     "image_topic", "coarse_perception"),
-    ("rocket", "What is most likely to happen next in this scene?", "",
-     ("The tower will be painted", "The rocket will be launched", "The rocket will sail away", "Nothing will change"), "B",
-     "future_prediction", "logic_reasoning"),
-    ("camera", "What is the man in the picture doing?", "",
-     ("Playing golf", "Reading a newspaper", "Painting a fence", "Operating a camera on a tripod"), "D",
-     "action_recognition", "finegrained_perception (cross-instance)"),
-    ("camera", "Is this photograph in color or in black and white?", "",
-     ("In color", "In black and white"), "B",
-     "image_style", "coarse_perception"),
-    ("coins", "How many rows of coins are there in the image?", "",
-     ("Two", "Three", "Four", "Six"), "C",
-     "object_localization", "finegrained_perception (instance-level)"),
-    ("page", "What is the title printed at the top of the page?", "",
-     ("Edge detection", "Region-based segmentation", "Image denoising", "Histogram equalization"), "B",
-     "ocr", "finegrained_perception (instance-level)"),
-    ("hubble_deep_field", "What does the image show?",
-     "The picture was taken by a telescope in orbit around the Earth.",
-     ("City lights at night", "Fireworks over a lake", "Galaxies in deep space", "Cells under a microscope"), "C",
-     "image_topic", "coarse_perception"),
-    ("immunohistochemistry", "What kind of image is this most likely to be?", "",
-     ("A satellite photo of farmland", "A stained tissue sample under a microscope", "An oil painting",
-      "A weather radar map", "A photo of tree bark"), "B",
-     "image_style", "coarse_perception"),
-    ("colorwheel", "What is the shape of the colored region?", "",
-     ("A square", "A triangle", "A circle", "A star"), "C",
-     "attribute_recognition", "finegrained_perception (instance-level)"),
-    ("brick", "What is the wall in the image made of?", "",
-     ("Glass", "Bricks", "Wood planks", "Sheet metal"), "B",
-     "physical_property_reasoning", "attribute_reasoning"),
-    ("text", "What does the image mostly contain?", "",
-     ("Handwritten mathematics", "A road sign"), "A",
-     "ocr", "finegrained_perception (instance-level)"),
-)  # fmt: skip
+    (
+        "astronaut",
+        "What is the person in the image wearing?",
+        "",
+        ("A space suit", "A wedding dress", "A diving suit", "A chef's uniform"),
+        "A",
+        "attribute_recognition",
+        "finegrained_perception (instance-level)",
+    ),
+    (
+        "coffee",
+        "What drink is served in the cup?",
+        "",
+        ("Orange juice", "Coffee", "Red wine", "Milk"),
+        "B",
+        "image_topic",
+        "coarse_perception",
+    ),
+    (
+        "chelsea",
+        "Which animal is shown in the picture?",
+        "",
+        ("A dog", "A rabbit", "A cat", "A fox"),
+        "C",
+        "image_topic",
+        "coarse_perception",
+    ),
+    (
+        "rocket",
+        "What is most likely to happen next in this scene?",
+        "",
+        (
+            "The tower will be painted",
+            "The rocket will be launched",
+            "The rocket will sail away",
+            "Nothing will change",
+        ),
+        "B",
+        "future_prediction",
+        "logic_reasoning",
+    ),
+    (
+        "camera",
+        "What is the man in the picture doing?",
+        "",
+        ("Playing golf", "Reading a newspaper", "Painting a fence", "Operating a camera on a tripod"),
+        "D",
+        "action_recognition",
+        "finegrained_perception (cross-instance)",
+    ),
+    (
+        "camera",
+        "Is this photograph in color or in black and white?",
+        "",
+        ("In color", "In black and white"),
+        "B",
+        "image_style",
+        "coarse_perception",
+    ),
+    (
+        "coins",
+        "How many rows of coins are there in the image?",
+        "",
+        ("Two", "Three", "Four", "Six"),
+        "C",
+        "object_localization",
+        "finegrained_perception (instance-level)",
+    ),
+    (
+        "page",
+        "What is the title printed at the top of the page?",
+        "",
+        ("Edge detection", "Region-based segmentation", "Image denoising", "Histogram equalization"),
+        "B",
+        "ocr",
+        "finegrained_perception (instance-level)",
+    ),
+    (
+        "hubble_deep_field",
+        "What does the image show?",
+        "The picture was taken by a telescope in orbit around the Earth.",
+        ("City lights at night", "Fireworks over a lake", "Galaxies in deep space", "Cells under a microscope"),
+        "C",
+        "image_topic",
+        "coarse_perception",
+    ),
+    (
+        "immunohistochemistry",
+        "What kind of image is this most likely to be?",
+        "",
+        (
+            "A satellite photo of farmland",
+            "A stained tissue sample under a microscope",
+            "An oil painting",
+            "A weather radar map",
+            "A photo of tree bark",
+        ),
+        "B",
+        "image_style",
+        "coarse_perception",
+    ),
+    (
+        "colorwheel",
+        "What is the shape of the colored region?",
+        "",
+        ("A square", "A triangle", "A circle", "A star"),
+        "C",
+        "attribute_recognition",
+        "finegrained_perception (instance-level)",
+    ),
+    (
+        "brick",
+        "What is the wall in the image made of?",
+        "",
+        ("Glass", "Bricks", "Wood planks", "Sheet metal"),
+        "B",
+        "physical_property_reasoning",
+        "attribute_reasoning",
+    ),
+    (
+        "text",
+        "What does the image mostly contain?",
+        "",
+        ("Handwritten mathematics", "A road sign"),
+        "A",
+        "ocr",
+        "finegrained_perception (instance-level)",
+    ),
+)
 
 
 # Text must stay legible, so these images keep twice the size limit.
@@ -90,7 +191,9 @@ def encode_image_base64(image, image_format: str = "PNG") -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def write_mmbench_tsv(rows: Iterable[Mapping[str, object]], path: str | os.PathLike, columns: Iterable[str] = MMBENCH_COLUMNS) -> Path:
+def write_mmbench_tsv(
+    rows: Iterable[Mapping[str, object]], path: str | os.PathLike, columns: Iterable[str] = MMBENCH_COLUMNS
+) -> Path:
     """Write ``rows`` (dicts keyed by column name; missing keys become empty cells) as an MMBench TSV."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,10 +211,15 @@ def fixture_rows(max_side: int = 128) -> list[dict[str, object]]:
     rows = []
     for index, (name, question, hint, options, answer, category, l2) in enumerate(FIXTURE_ROWS):
         row: dict[str, object] = {
-            "index": index, "question": question, "hint": hint, "answer": answer,
-            "category": category, "l2-category": l2, "split": "dev",
+            "index": index,
+            "question": question,
+            "hint": hint,
+            "answer": answer,
+            "category": category,
+            "l2-category": l2,
+            "split": "dev",
             "image": encode_image_base64(skimage_image(name, 2 * max_side if name in _TEXT_IMAGES else max_side)),
-        }  # fmt: skip
+        }
         row.update(zip("ABCDE", options))
         rows.append(row)
     return rows

@@ -57,12 +57,34 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     model = parser.add_argument_group("models")
-    model.add_argument("--target", required=True, help="directory of a saved Qwen-VL model, or tiny:FAMILY (qwen2_vl, qwen2_5_vl, qwen3_vl) for a random tiny one")
-    model.add_argument("--drafter", default="prompt-lookup", help="'prompt-lookup' or the directory of a saved DSpark drafter")
-    model.add_argument("--scheduler", default="none", choices=SCHEDULERS, help=f"how many drafts to verify per round: {describe_schedulers()}")
-    model.add_argument("--scheduler-arg", action="append", default=[], metavar="KEY=VALUE", help="option for the scheduler, e.g. threshold=0.6 (repeatable)")
+    model.add_argument(
+        "--target",
+        required=True,
+        help="directory of a saved Qwen-VL model, or tiny:FAMILY (qwen2_vl, qwen2_5_vl, qwen3_vl) for a random tiny one",
+    )
+    model.add_argument(
+        "--drafter", default="prompt-lookup", help="'prompt-lookup' or the directory of a saved DSpark drafter"
+    )
+    model.add_argument(
+        "--scheduler",
+        default="none",
+        choices=SCHEDULERS,
+        help=f"how many drafts to verify per round: {describe_schedulers()}",
+    )
+    model.add_argument(
+        "--scheduler-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="option for the scheduler, e.g. threshold=0.6 (repeatable)",
+    )
     model.add_argument("--max-draft-tokens", type=int, default=8, help="prompt lookup: tokens drafted per round")
-    model.add_argument("--max-ngram", type=int, default=3, help="prompt lookup: longest n-gram matched (also transformers' max_matching_ngram_size)")
+    model.add_argument(
+        "--max-ngram",
+        type=int,
+        default=3,
+        help="prompt lookup: longest n-gram matched (also transformers' max_matching_ngram_size)",
+    )
     model.add_argument("--min-ngram", type=int, default=1, help="prompt lookup: shortest n-gram matched")
     model.add_argument("--dtype", default="float32", help="target dtype (float32, bfloat16, float16)")
     model.add_argument("--attn-implementation", default="sdpa", help="sdpa, eager or flash_attention_2")
@@ -70,10 +92,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = parser.add_argument_group("workloads (at least one)")
     data.add_argument("--mmbench", type=Path, help="an MMBench TSV (e.g. tests/fixtures/mmbench_mini.tsv)")
-    data.add_argument("--prompt-set", type=Path, action="append", default=[], help="a {\"turns\": [...]} JSONL prompt set, e.g. ../shared/data/prompts/gsm8k.jsonl (repeatable; first turns only)")
-    data.add_argument("--vqa", action="store_true", help="add image questions on real images: easy-vqa shapes and open questions on scikit-image photographs")
+    data.add_argument(
+        "--prompt-set",
+        type=Path,
+        action="append",
+        default=[],
+        help='a {"turns": [...]} JSONL prompt set, e.g. ../shared/data/prompts/gsm8k.jsonl (repeatable; first turns only)',
+    )
+    data.add_argument(
+        "--vqa",
+        action="store_true",
+        help="add image questions on real images: easy-vqa shapes and open questions on scikit-image photographs",
+    )
     data.add_argument("--num-questions", type=int, default=20, help="questions per workload")
-    data.add_argument("--image-max-side", type=int, default=448, help="shrink images whose longer side exceeds this (pixels); 0 keeps them as they are")
+    data.add_argument(
+        "--image-max-side",
+        type=int,
+        default=448,
+        help="shrink images whose longer side exceeds this (pixels); 0 keeps them as they are",
+    )
 
     gen = parser.add_argument_group("generation (identical for every variant)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
@@ -83,14 +120,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="question i uses seed + i in every variant")
 
     peers = parser.add_argument_group("transformers peers")
-    peers.add_argument("--peers", default="prompt-lookup,assistant", help="comma list of prompt-lookup, assistant; or none")
-    peers.add_argument("--prompt-lookup-num-tokens", type=int, default=None, help="transformers' prompt_lookup_num_tokens (None: same as --max-draft-tokens)")
-    peers.add_argument("--assistant", default="auto", help="assistant model for generate(assistant_model=...): a directory, 'tiny' (random tiny model of the target's family), 'none', or 'auto' (tiny for tiny targets, none otherwise)")
+    peers.add_argument(
+        "--peers", default="prompt-lookup,assistant", help="comma list of prompt-lookup, assistant; or none"
+    )
+    peers.add_argument(
+        "--prompt-lookup-num-tokens",
+        type=int,
+        default=None,
+        help="transformers' prompt_lookup_num_tokens (None: same as --max-draft-tokens)",
+    )
+    peers.add_argument(
+        "--assistant",
+        default="auto",
+        help="assistant model for generate(assistant_model=...): a directory, 'tiny' (random tiny model of the target's family), 'none', or 'auto' (tiny for tiny targets, none otherwise)",
+    )
 
     run = parser.add_argument_group("run")
-    run.add_argument("--out", type=Path, required=True, help="output directory for results.json, results.md and the plots")
+    run.add_argument(
+        "--out", type=Path, required=True, help="output directory for results.json, results.md and the plots"
+    )
     run.add_argument("--warmup", type=int, default=1, help="untimed runs of every variant before measuring")
-    run.add_argument("--repeats", type=int, default=1, help="timed runs of every variant per question; the fastest is reported")
+    run.add_argument(
+        "--repeats", type=int, default=1, help="timed runs of every variant per question; the fastest is reported"
+    )
     run.add_argument("--threads", type=int, default=None, help="torch CPU threads (None: torch's choice)")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
@@ -153,7 +205,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(render_summary(report, peers))
     print("\n".join(f"wrote {p}" for p in paths))
     return 1 if settings.greedy and report["verdict"]["differences"] else 0
-
 
 
 if __name__ == "__main__":

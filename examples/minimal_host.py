@@ -49,8 +49,12 @@ class MiniEngine:
         self._ids = itertools.count()
 
     def add_request(self, prompt: str, images=None, **sampling) -> int:
-        request = self.decoder.new_request(eos_token_ids=self.target.eos_token_ids, tokenizer=self.target.tokenizer,
-                                           device=self.target.device, **sampling)  # fmt: skip
+        request = self.decoder.new_request(
+            eos_token_ids=self.target.eos_token_ids,
+            tokenizer=self.target.tokenizer,
+            device=self.target.device,
+            **sampling,
+        )
         seq = Sequence(next(self._ids), request, self.target.build_inputs(images, prompt))
         self.waiting.append(seq)
         return seq.seq_id
@@ -97,7 +101,9 @@ class MiniEngine:
             step = self.target.verify(seq.kv, plan.input_ids[row, :n])
             logits[row, :n] = step.logits
             if step.features is not None:
-                features = features if features is not None else step.features.new_zeros(rows, width, step.features.shape[-1])
+                features = (
+                    features if features is not None else step.features.new_zeros(rows, width, step.features.shape[-1])
+                )
                 features[row, :n] = step.features
         return logits, features
 

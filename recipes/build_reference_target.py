@@ -87,7 +87,9 @@ def answer_kind(answer: str) -> str:
     raise ValueError(f"unexpected easy-vqa answer {answer!r}")
 
 
-def image_attributes(questions: Sequence[str], answers: Sequence[str], image_ids: Sequence[int]) -> dict[int, tuple[str, str]]:
+def image_attributes(
+    questions: Sequence[str], answers: Sequence[str], image_ids: Sequence[int]
+) -> dict[int, tuple[str, str]]:
     """(color, shape) of every image whose questions reveal both.
 
     A "what ..." answer states an attribute, and so does any color or shape the question
@@ -158,7 +160,9 @@ def conversation_stream(examples: list[Example], turns: int, seed: int) -> Itera
         yield [pool[kind][rng.randrange(len(pool[kind]))] for kind in chosen]
 
 
-def heldout_sample(qa: list[Example], captions: list[Example], num_questions: int, num_captions: int, seed: int) -> list[Example]:
+def heldout_sample(
+    qa: list[Example], captions: list[Example], num_questions: int, num_captions: int, seed: int
+) -> list[Example]:
     """A fixed random sample of test questions plus captions (first caption prompt only)."""
     rng = random.Random(seed)
     first_prompt = [c for c in captions if c.prompt == CAPTION_PROMPTS[0]]
@@ -259,8 +263,12 @@ def shared_prefix(model, example_ids: torch.Tensor, vision_start_id: int) -> Sha
     ids = example_ids[: int((example_ids == vision_start_id).nonzero()[0])]
     positions = torch.arange(ids.numel()).view(1, 1, -1).expand(4, 1, -1)  # text: every M-RoPE row alike
     cache = DynamicCache(config=model.config)
-    model.model.language_model(input_ids=ids[None], position_ids=positions, use_cache=True,
-                               **{cache_argument(model.model.language_model): cache})  # fmt: skip
+    model.model.language_model(
+        input_ids=ids[None],
+        position_ids=positions,
+        use_cache=True,
+        **{cache_argument(model.model.language_model): cache},
+    )
     return SharedPrefix(ids, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
 
 
@@ -269,8 +277,12 @@ def answer_loss(model, batch: dict[str, torch.Tensor], prefix: SharedPrefix) -> 
     ids, start = batch["input_ids"], prefix.length
     if not torch.equal(ids[:, :start], prefix.ids.expand(ids.shape[0], -1)):
         raise ValueError("every training example must start with the shared chat prefix")
-    mrope, _ = model.model.get_rope_index(ids, mm_token_type_ids=batch["mm_token_type_ids"],
-                                          image_grid_thw=batch["image_grid_thw"], attention_mask=batch["attention_mask"])  # fmt: skip
+    mrope, _ = model.model.get_rope_index(
+        ids,
+        mm_token_type_ids=batch["mm_token_type_ids"],
+        image_grid_thw=batch["image_grid_thw"],
+        attention_mask=batch["attention_mask"],
+    )
     rest = ids.shape[1] - start
     text_row = torch.arange(start, ids.shape[1]).view(1, 1, rest).expand(1, ids.shape[0], rest)
     hidden = model.model(
@@ -364,7 +376,9 @@ def clipped_step(optimizer, params: list[torch.nn.Parameter], loss: torch.Tensor
     bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}")
 
 
-def train_vision(target: QwenVLTarget, stream: Iterator[list[Example]], args, heldout_probe: list[Example]) -> list[float]:
+def train_vision(
+    target: QwenVLTarget, stream: Iterator[list[Example]], args, heldout_probe: list[Example]
+) -> list[float]:
     """Phase 2: train the vision tower + merger through the frozen language model; returns every step's loss."""
     model = target.model
     params = prepare_for_training(model, resolve_dtype(args.lm_dtype))
@@ -409,7 +423,9 @@ def evaluate(target: QwenVLTarget, examples: list[Example], *, progress: bool = 
         correct = normalise(text) == normalise(example.answer)
         hits[example.kind].append(correct)
         if not correct and len(failures) < 20:
-            failures.append({"image": Path(example.image).name, "prompt": example.prompt, "expected": example.answer, "got": text})
+            failures.append(
+                {"image": Path(example.image).name, "prompt": example.prompt, "expected": example.answer, "got": text}
+            )
     accuracy = {kind: round(sum(v) / len(v), 4) for kind, v in sorted(hits.items())}
     questions = [h for kind, v in hits.items() if kind != "caption" for h in v]
     accuracy["questions"] = round(sum(questions) / max(1, len(questions)), 4)
@@ -433,14 +449,21 @@ def text_check(target: QwenVLTarget, gguf_path: Path) -> dict:
         theirs = original(input_ids=ids).logits[0].float()  # [L, V]
         worst = max(worst, (ours[:, :vocab] - theirs).abs().max().item())
         top = theirs[-1].topk(5)
-        prompts.append({"prompt": prompt, "top5_ids": top.indices.tolist(), "top5_logits": top.values.tolist(),
-                        "min_top_logit": theirs.max(-1).values.min().item(),
-                        "new_rows_max_abs_logit": ours[:, vocab:].abs().max().item()})  # fmt: skip
+        prompts.append(
+            {
+                "prompt": prompt,
+                "top5_ids": top.indices.tolist(),
+                "top5_logits": top.values.tolist(),
+                "min_top_logit": theirs.max(-1).values.min().item(),
+                "new_rows_max_abs_logit": ours[:, vocab:].abs().max().item(),
+            }
+        )
     return {"max_abs_logit_difference": worst, "prompts": prompts}
 
 
-def step_costs(model_dir: Path, dtypes: Sequence[str] = ("float32", "bfloat16"), context: int = 300,
-               repeats: int = 12) -> dict[str, dict[str, float]]:  # fmt: skip
+def step_costs(
+    model_dir: Path, dtypes: Sequence[str] = ("float32", "bfloat16"), context: int = 300, repeats: int = 12
+) -> dict[str, dict[str, float]]:
     """Median wall time of a 1-token decode step and of an 8-token verify at ``context`` tokens.
 
     Measured through the adapter's prefill / verify / rollback API: each verify is rolled
@@ -482,22 +505,31 @@ def initial_target(args, work: Path) -> QwenVLTarget:
     torch.manual_seed(args.seed)
     tower = Qwen2VisionTransformerPretrainedModel(config.vision_config)
     ref.write_model_directory(
-        work, gguf_path=gguf_path, config=config, vision_state={"visual." + k: v for k, v in tower.state_dict().items()},
-        generation_config=ref.reference_generation_config(tokenizer), tokenizer=tokenizer,
-        image_processor=ref.reference_image_processor(), chat_template=ref.REFERENCE_CHAT_TEMPLATE,
-    )  # fmt: skip
+        work,
+        gguf_path=gguf_path,
+        config=config,
+        vision_state={"visual." + k: v for k, v in tower.state_dict().items()},
+        generation_config=ref.reference_generation_config(tokenizer),
+        tokenizer=tokenizer,
+        image_processor=ref.reference_image_processor(),
+        chat_template=ref.REFERENCE_CHAT_TEMPLATE,
+    )
     return QwenVLTarget.from_pretrained(work)
 
 
 def vision_state(model) -> dict[str, torch.Tensor]:
     """The vision tower + merger under checkpoint names (``visual.*``), rounded to bf16."""
-    return {"visual." + k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.model.visual.state_dict().items()}
+    return {
+        "visual." + k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.model.visual.state_dict().items()
+    }
 
 
 def save_final(work: Path, shipped: dict[str, torch.Tensor], out: Path) -> None:
     """Reload the fp32 language model, put the bf16-rounded vision weights in, save with QwenVLTarget."""
     target = QwenVLTarget.from_pretrained(work)
-    missing = target.model.model.visual.load_state_dict({k.removeprefix("visual."): v.float() for k, v in shipped.items()})
+    missing = target.model.model.visual.load_state_dict(
+        {k.removeprefix("visual."): v.float() for k, v in shipped.items()}
+    )
     assert not missing.missing_keys and not missing.unexpected_keys, missing
     target.save_pretrained(out)
 
@@ -530,22 +562,39 @@ def build_manifest(args, tokenizer, shipped: dict[str, torch.Tensor], gguf_path:
 
     return {
         "format_version": ref.FORMAT_VERSION,
-        "language_model": {"distribution": ref.GGUF_DISTRIBUTION, "version": version(ref.GGUF_DISTRIBUTION),
-                           "file": gguf_path.name, "sha256": ref.file_sha256(gguf_path), "size": gguf_path.stat().st_size,
-                           "license": "Apache-2.0 (SmolLM2-135M-Instruct, HuggingFaceTB)"},  # fmt: skip
+        "language_model": {
+            "distribution": ref.GGUF_DISTRIBUTION,
+            "version": version(ref.GGUF_DISTRIBUTION),
+            "file": gguf_path.name,
+            "sha256": ref.file_sha256(gguf_path),
+            "size": gguf_path.stat().st_size,
+            "license": "Apache-2.0 (SmolLM2-135M-Instruct, HuggingFaceTB)",
+        },
         "added_tokens": {token: tokenizer.convert_tokens_to_ids(token) for token in ref.VISION_TOKENS},
         "new_embedding_rows": "zeros (tied with the LM head: the new ids get logit 0 and are never the greedy choice)",
-        "vision": {"file": ref.VISION_FILE, "dtype": "bfloat16", "parameters": sum(v.numel() for v in shipped.values()),
-                   "depth": args.vision_depth, "embed_dim": args.vision_dim, "image_side": ref.IMAGE_SIDE},  # fmt: skip
+        "vision": {
+            "file": ref.VISION_FILE,
+            "dtype": "bfloat16",
+            "parameters": sum(v.numel() for v in shipped.values()),
+            "depth": args.vision_depth,
+            "embed_dim": args.vision_dim,
+            "image_side": ref.IMAGE_SIDE,
+        },
         "training": training,
     }
 
 
 # ------------------------------------------------------------------------------ main
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="model directory to write (QwenVLTarget.save_pretrained)")
-    parser.add_argument("--assets", type=Path, default=REPO / "vlmspec" / "assets" / "reference", help="where the committed assets go")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=Path, required=True, help="model directory to write (QwenVLTarget.save_pretrained)"
+    )
+    parser.add_argument(
+        "--assets", type=Path, default=REPO / "vlmspec" / "assets" / "reference", help="where the committed assets go"
+    )
     parser.add_argument("--steps", type=int, default=500, help="phase 2: chat steps through the language model")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -554,9 +603,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pretrain-lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--turns", type=int, default=3, help="phase 2: question/answer exchanges per training chat")
-    parser.add_argument("--lm-dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="dtype of the frozen language model while training; bfloat16 pays only on CPUs with "
-                        "AVX512-BF16/AMX (on AVX2-only CPUs its matmuls are 10-50x slower than float32)")
+    parser.add_argument(
+        "--lm-dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="dtype of the frozen language model while training; bfloat16 pays only on CPUs with "
+        "AVX512-BF16/AMX (on AVX2-only CPUs its matmuls are 10-50x slower than float32)",
+    )
     parser.add_argument("--vision-depth", type=int, default=4)
     parser.add_argument("--vision-dim", type=int, default=192, help="vision embed dim (a multiple of 64: heads of 64)")
     parser.add_argument("--seed", type=int, default=0)
@@ -565,7 +618,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-captions", type=int, default=100, help="held-out easy-vqa test images to caption")
     parser.add_argument("--eval-every", type=int, default=160, help="probe accuracy every N steps (0: never)")
     parser.add_argument("--skip-timing", action="store_true", help="skip the decode-step / verify timing")
-    parser.add_argument("--skip-text-check", action="store_true", help="skip the comparison with transformers' GGUF load")
+    parser.add_argument(
+        "--skip-text-check", action="store_true", help="skip the comparison with transformers' GGUF load"
+    )
     args = parser.parse_args(argv)
     if args.vision_dim % 64:
         parser.error("--vision-dim must be a multiple of 64")
@@ -580,9 +635,12 @@ def train_and_save(args, train: tuple[list[Example], list[Example]], probe: list
     with tempfile.TemporaryDirectory(prefix="vlmspec-reference-") as scratch:
         work = Path(scratch) / "initial"
         target = initial_target(args, work)
-        print(f"language model: {ref.GGUF_FILE}; vision parameters: "
-              f"{sum(p.numel() for p in target.model.model.visual.parameters()):,}; "
-              f"train: {len(train[0])} questions, {len(train[1])} captions", flush=True)  # fmt: skip
+        print(
+            f"language model: {ref.GGUF_FILE}; vision parameters: "
+            f"{sum(p.numel() for p in target.model.model.visual.parameters()):,}; "
+            f"train: {len(train[0])} questions, {len(train[1])} captions",
+            flush=True,
+        )
         pretrain_losses = pretrain_vision(target, labelled_images(train[1]), args) if args.pretrain_steps else []
         losses = train_vision(target, conversation_stream(train[0] + train[1], args.turns, args.seed), args, probe)
         shipped = vision_state(target.model)
@@ -598,12 +656,29 @@ def training_record(args, losses: dict[str, list[float]], seconds: float) -> dic
     def every_100(values: list[float]) -> list[float]:
         return [mean(values[i : i + 100]) for i in range(0, len(values), 100)]
 
-    return {"data": "easy-vqa 1.0 train split", "wall_seconds": round(seconds), "seed": args.seed, "threads": args.threads,
-            "phase1_color_shape": {"steps": args.pretrain_steps, "batch_size": args.pretrain_batch_size,
-                                   "lr": args.pretrain_lr, "loss_every_100": every_100(losses["pretrain"])},
-            "phase2_chat": {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "warmup": args.warmup,
-                            "turns": args.turns, "kind_weights": KIND_WEIGHTS, "lm_dtype": args.lm_dtype,
-                            "loss_last_100": mean(losses["train"][-100:]), "loss_every_100": every_100(losses["train"])}}  # fmt: skip
+    return {
+        "data": "easy-vqa 1.0 train split",
+        "wall_seconds": round(seconds),
+        "seed": args.seed,
+        "threads": args.threads,
+        "phase1_color_shape": {
+            "steps": args.pretrain_steps,
+            "batch_size": args.pretrain_batch_size,
+            "lr": args.pretrain_lr,
+            "loss_every_100": every_100(losses["pretrain"]),
+        },
+        "phase2_chat": {
+            "steps": args.steps,
+            "batch_size": args.batch_size,
+            "lr": args.lr,
+            "warmup": args.warmup,
+            "turns": args.turns,
+            "kind_weights": KIND_WEIGHTS,
+            "lm_dtype": args.lm_dtype,
+            "loss_last_100": mean(losses["train"][-100:]),
+            "loss_every_100": every_100(losses["train"]),
+        },
+    }
 
 
 def measure(args, heldout: list[Example]) -> dict:
@@ -622,8 +697,11 @@ def record(args, shipped: dict[str, torch.Tensor], training: dict, report: dict)
     """Write the assets (and check they rebuild ``--out``) and ``--out/report.json``."""
     tokenizer = load_processor(args.out, "qwen2_vl").tokenizer
     manifest = build_manifest(args, tokenizer, shipped, ref.smollm2_gguf_path(), training)
-    manifest.update(heldout_accuracy=report["heldout"]["accuracy"], text_check=report.get("text_check"),
-                    step_costs=report.get("step_costs"))  # fmt: skip
+    manifest.update(
+        heldout_accuracy=report["heldout"]["accuracy"],
+        text_check=report.get("text_check"),
+        step_costs=report.get("step_costs"),
+    )
     write_assets(args.assets, args.out, shipped, manifest)
     check_assembly(args.assets, args.out)
     (args.out / "report.json").write_text(json.dumps({**report, "training": training}, indent=2) + "\n")
@@ -639,9 +717,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     training = training_record(args, losses, time.perf_counter() - started)
     report = measure(args, heldout)
     record(args, shipped, training, report)
-    summary = {"heldout_accuracy": report["heldout"]["accuracy"], "counts": report["counts"],
-               "text_max_abs_logit_difference": report.get("text_check", {}).get("max_abs_logit_difference"),
-               "step_costs": report.get("step_costs"), "train_wall_seconds": training["wall_seconds"]}  # fmt: skip
+    summary = {
+        "heldout_accuracy": report["heldout"]["accuracy"],
+        "counts": report["counts"],
+        "text_max_abs_logit_difference": report.get("text_check", {}).get("max_abs_logit_difference"),
+        "step_costs": report.get("step_costs"),
+        "train_wall_seconds": training["wall_seconds"],
+    }
     print(json.dumps(summary, indent=2))
     return report
 

@@ -76,20 +76,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, c in curves.items():
         series[f"{name} greedy"] = (c["train_tokens"], c["greedy_tau"])
         series[f"{name} expected (T=1)"] = (c["train_tokens"], c["expected_tau"])
-    plot_lines(args.out / "learning_curve_tau.png", series, title="Held-out tau (teacher-forced) vs training tokens",
-               xlabel="training tokens (block positions)", ylabel="tau")  # fmt: skip
+    plot_lines(
+        args.out / "learning_curve_tau.png",
+        series,
+        title="Held-out tau (teacher-forced) vs training tokens",
+        xlabel="training tokens (block positions)",
+        ylabel="tau",
+    )
     top1 = {}
     for name, c in curves.items():
         for k in range(c["gamma"]):
             top1[f"{name} pos {k + 1}"] = (c["train_tokens"], [row[k] for row in c["top1_by_position"]])
-    plot_lines(args.out / "learning_curve_top1.png", top1, title="Held-out top-1 by block position",
-               xlabel="training tokens (block positions)", ylabel="top-1 agreement", ylim=(0, 1))  # fmt: skip
+    plot_lines(
+        args.out / "learning_curve_top1.png",
+        top1,
+        title="Held-out top-1 by block position",
+        xlabel="training tokens (block positions)",
+        ylabel="top-1 agreement",
+        ylim=(0, 1),
+    )
     rows = []
     for name, c in curves.items():
         for i in range(len(c["steps"])):
             top = c["top1_by_position"][i]
-            rows.append([name, c["steps"][i], c["train_tokens"][i], c["greedy_tau"][i], c["expected_tau"][i],
-                         " ".join(f"{x:.2f}" for x in top)])  # fmt: skip
+            rows.append(
+                [
+                    name,
+                    c["steps"][i],
+                    c["train_tokens"][i],
+                    c["greedy_tau"][i],
+                    c["expected_tau"][i],
+                    " ".join(f"{x:.2f}" for x in top),
+                ]
+            )
     table = markdown_table(["run", "step", "training tokens", "greedy tau", "expected tau", "top-1 by position"], rows)
     write_text(args.out / "learning_curve.md", table + "\n")
     print(table)

@@ -41,46 +41,129 @@ OPEN_PROMPTS = (
     "What shape is in the image?",
 )
 TOPICS = (
-    "the water cycle", "black holes", "photosynthesis", "the French Revolution", "machine learning", "climate change",
-    "the human heart", "volcanoes", "the stock market", "renewable energy", "the Roman Empire", "vaccines",
-    "the internet", "honey bees", "chess", "jazz music", "the Moon landing", "electric cars", "coffee", "sleep",
-    "recycling", "the Great Wall of China", "earthquakes", "friendship", "time management", "public speaking",
-    "gardening", "the ocean", "dinosaurs", "the printing press", "democracy", "inflation", "meditation", "robots",
-    "rainforests", "the Olympic Games", "smartphones", "the immune system", "gravity", "Shakespeare", "a small bakery",
-    "a rainy day in the city", "learning a new language", "a trip to the mountains", "a lost cat", "a job interview",
-    "the first day of school", "a birthday party", "a dragon who is afraid of fire", "a robot learning to paint",
-    "saving money", "healthy breakfasts", "remote work", "video games", "the solar system", "antibiotics",
-    "bridges", "the Renaissance", "tea", "social media", "bicycles", "the desert", "penguins", "volunteering",
+    "the water cycle",
+    "black holes",
+    "photosynthesis",
+    "the French Revolution",
+    "machine learning",
+    "climate change",
+    "the human heart",
+    "volcanoes",
+    "the stock market",
+    "renewable energy",
+    "the Roman Empire",
+    "vaccines",
+    "the internet",
+    "honey bees",
+    "chess",
+    "jazz music",
+    "the Moon landing",
+    "electric cars",
+    "coffee",
+    "sleep",
+    "recycling",
+    "the Great Wall of China",
+    "earthquakes",
+    "friendship",
+    "time management",
+    "public speaking",
+    "gardening",
+    "the ocean",
+    "dinosaurs",
+    "the printing press",
+    "democracy",
+    "inflation",
+    "meditation",
+    "robots",
+    "rainforests",
+    "the Olympic Games",
+    "smartphones",
+    "the immune system",
+    "gravity",
+    "Shakespeare",
+    "a small bakery",
+    "a rainy day in the city",
+    "learning a new language",
+    "a trip to the mountains",
+    "a lost cat",
+    "a job interview",
+    "the first day of school",
+    "a birthday party",
+    "a dragon who is afraid of fire",
+    "a robot learning to paint",
+    "saving money",
+    "healthy breakfasts",
+    "remote work",
+    "video games",
+    "the solar system",
+    "antibiotics",
+    "bridges",
+    "the Renaissance",
+    "tea",
+    "social media",
+    "bicycles",
+    "the desert",
+    "penguins",
+    "volunteering",
 )
 TEXT_TEMPLATES = (
-    "Explain {topic} in simple terms.", "Write a short story about {topic}.", "Write a poem about {topic}.",
-    "Give me five interesting facts about {topic}.", "What are the pros and cons of {topic}?",
-    "Write a blog post introduction about {topic}.", "Explain {topic} to a ten-year-old.",
-    "Summarize the history of {topic} in a paragraph.", "Write a haiku about {topic}.",
-    "List three common misconceptions about {topic} and correct them.", "Write a persuasive paragraph about {topic}.",
-    "Draft a short email to a friend about {topic}.", "What questions would a student ask about {topic}? Answer two of them.",
-    "Describe {topic} as if you were a tour guide.", "Write a dialogue between two people discussing {topic}.",
-    "Give step-by-step advice for someone interested in {topic}.", "Write a limerick about {topic}.",
-    "Compare {topic} and {other} in a short essay.", "What is the most important thing to know about {topic}?",
-    "Create an outline for a presentation on {topic}.", "Pretend you are a scientist and describe {topic}.",
-    "Write a product description inspired by {topic}.", "Write a news headline and a short article about {topic}.",
+    "Explain {topic} in simple terms.",
+    "Write a short story about {topic}.",
+    "Write a poem about {topic}.",
+    "Give me five interesting facts about {topic}.",
+    "What are the pros and cons of {topic}?",
+    "Write a blog post introduction about {topic}.",
+    "Explain {topic} to a ten-year-old.",
+    "Summarize the history of {topic} in a paragraph.",
+    "Write a haiku about {topic}.",
+    "List three common misconceptions about {topic} and correct them.",
+    "Write a persuasive paragraph about {topic}.",
+    "Draft a short email to a friend about {topic}.",
+    "What questions would a student ask about {topic}? Answer two of them.",
+    "Describe {topic} as if you were a tour guide.",
+    "Write a dialogue between two people discussing {topic}.",
+    "Give step-by-step advice for someone interested in {topic}.",
+    "Write a limerick about {topic}.",
+    "Compare {topic} and {other} in a short essay.",
+    "What is the most important thing to know about {topic}?",
+    "Create an outline for a presentation on {topic}.",
+    "Pretend you are a scientist and describe {topic}.",
+    "Write a product description inspired by {topic}.",
+    "Write a news headline and a short article about {topic}.",
 )
 CODE_TASKS = (
-    "reverses a string", "checks whether a number is prime", "computes the factorial of n", "sorts a list of numbers",
-    "counts the words in a sentence", "finds the largest element in a list", "returns the Fibonacci numbers below n",
-    "checks whether a word is a palindrome", "merges two sorted lists", "removes duplicates from a list",
-    "converts Celsius to Fahrenheit", "computes the average of a list", "counts the vowels in a string",
-    "finds the second largest number in a list", "flattens a nested list", "checks whether two strings are anagrams",
-    "computes the greatest common divisor of two numbers", "returns the n-th triangular number",
-    "reads a text file and counts its lines", "implements binary search",
+    "reverses a string",
+    "checks whether a number is prime",
+    "computes the factorial of n",
+    "sorts a list of numbers",
+    "counts the words in a sentence",
+    "finds the largest element in a list",
+    "returns the Fibonacci numbers below n",
+    "checks whether a word is a palindrome",
+    "merges two sorted lists",
+    "removes duplicates from a list",
+    "converts Celsius to Fahrenheit",
+    "computes the average of a list",
+    "counts the vowels in a string",
+    "finds the second largest number in a list",
+    "flattens a nested list",
+    "checks whether two strings are anagrams",
+    "computes the greatest common divisor of two numbers",
+    "returns the n-th triangular number",
+    "reads a text file and counts its lines",
+    "implements binary search",
 )
 CODE_TEMPLATES = (
-    "Write a Python function that {task}.", "Write a Python function that {task}, with a docstring and an example.",
-    "How would you write a function in JavaScript that {task}?", "Explain how to write a program that {task}.",
+    "Write a Python function that {task}.",
+    "Write a Python function that {task}, with a docstring and an example.",
+    "How would you write a function in JavaScript that {task}?",
+    "Explain how to write a program that {task}.",
 )
 MATH_TEMPLATES = (
-    "What is {a} plus {b}? Explain your steps.", "A shop sells pens at {a} cents each. How much do {b} pens cost?",
-    "If a train travels {a} miles in {b} hours, what is its average speed?", "What is {a} times {b}? Show your work.",
+    "What is {a} plus {b}? Explain your steps.",
+    "A shop sells pens at {a} cents each. How much do {b} pens cost?",
+    "If a train travels {a} miles in {b} hours, what is its average speed?",
+    "What is {a} times {b}? Show your work.",
     "Tom has {a} apples and gives away {b}. How many does he have left? Reason step by step.",
     "A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?",
 )
@@ -141,14 +224,22 @@ def picture_records(out: Path, prompts_per_picture: int, rng: random.Random) -> 
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--out", type=Path, required=True, help="directory for prompts.jsonl and its images")
-    parser.add_argument("--prompts-dir", type=Path, default=SHARED_PROMPTS, help="where gsm8k.jsonl and mt-bench.jsonl are")
+    parser.add_argument(
+        "--prompts-dir", type=Path, default=SHARED_PROMPTS, help="where gsm8k.jsonl and mt-bench.jsonl are"
+    )
     parser.add_argument("--gsm8k", type=int, default=1219, help="GSM8K prompts")
-    parser.add_argument("--gsm8k-offset", type=int, default=100, help="first GSM8K entry used (the benchmark takes those before)")
+    parser.add_argument(
+        "--gsm8k-offset", type=int, default=100, help="first GSM8K entry used (the benchmark takes those before)"
+    )
     parser.add_argument("--mt-bench", type=int, default=56, help="MT-Bench first turns")
     parser.add_argument("--mt-bench-offset", type=int, default=24)
-    parser.add_argument("--instructions", type=int, default=1600, help="synthetic text instructions (before de-duplication)")
+    parser.add_argument(
+        "--instructions", type=int, default=1600, help="synthetic text instructions (before de-duplication)"
+    )
     parser.add_argument("--easy-vqa", type=int, default=600, help="easy-vqa train questions / describe prompts")
     parser.add_argument("--prompts-per-picture", type=int, default=6, help="open prompts per scikit-image picture")
     parser.add_argument("--seed", type=int, default=0)

@@ -56,8 +56,12 @@ def ship(run: Path, name: str, dtype: torch.dtype = torch.float16) -> Path:
 def main(argv: Sequence[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", type=Path, required=True, help="the --out directory of recipes/train_qwen3vl.py")
-    parser.add_argument("--name", required=True, choices=sorted(set(REFERENCE_DRAFTERS.values())),
-                        help="dspark (the default 'reference' drafter) or dflash (the ablation)")  # fmt: skip
+    parser.add_argument(
+        "--name",
+        required=True,
+        choices=sorted(set(REFERENCE_DRAFTERS.values())),
+        help="dspark (the default 'reference' drafter) or dflash (the ablation)",
+    )
     args = parser.parse_args(argv)
     return ship(args.run, args.name)
 

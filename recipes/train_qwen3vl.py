@@ -75,18 +75,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _data_options(group) -> None:
     add = group.add_argument
-    add("--target", required=True,
-        help="saved Qwen-VL directory, reference (the bundled SmolLM2 Qwen2-VL), or tiny:qwen2_vl | tiny:qwen2_5_vl | tiny:qwen3_vl")  # fmt: skip
-    add("--prompts", action="append", required=True,
-        help="prompt file: .jsonl (turns or messages) or MMBench .tsv; repeatable")  # fmt: skip
+    add(
+        "--target",
+        required=True,
+        help="saved Qwen-VL directory, reference (the bundled SmolLM2 Qwen2-VL), or tiny:qwen2_vl | tiny:qwen2_5_vl | tiny:qwen3_vl",
+    )
+    add(
+        "--prompts",
+        action="append",
+        required=True,
+        help="prompt file: .jsonl (turns or messages) or MMBench .tsv; repeatable",
+    )
     add("--out", required=True, help="output directory: drafter/, checkpoints/, cache/, metrics.jsonl, report.json")
     add("--cache", default=None, help="target cache directory (default OUT/cache); reused when its manifest matches")
     add("--num-prompts", type=int, default=None, help="training prompts (default: all but the held-out ones)")
     add("--heldout-prompts", type=int, default=16, help="prompts kept out of the cache to measure tau and calibrate")
-    add("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-        help="target dtype; auto: bfloat16 on GPU, float32 on CPU")  # fmt: skip
-    add("--attn-implementation", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"),
-        help="target attention")  # fmt: skip
+    add(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="target dtype; auto: bfloat16 on GPU, float32 on CPU",
+    )
+    add(
+        "--attn-implementation", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"), help="target attention"
+    )
     add("--save-target", action="store_true", help="also save the target to OUT/target (always for tiny: targets)")
     add("--threads", type=int, default=None, help="torch CPU threads per process (1 is often fastest on a shared CPU)")
     add("--dist-timeout", type=float, default=180, help="minutes a process may wait for the others at a barrier")
@@ -100,14 +112,30 @@ def _cache_options(group) -> None:
     add("--top-k", type=int, default=20, help="regeneration top-k (0: off)")
     add("--first-turn-only", action="store_true", help="answer only the first user turn of multi-turn prompts")
     add("--cache-dtype", default="bfloat16", choices=("bfloat16", "float16"), help="storage dtype of target states")
-    add("--regen-batch-size", type=int, default=16,
-        help="prompts the target answers together (left-padded batches; several times faster than 1 on a CPU)")  # fmt: skip
-    add("--regen-dtype", default=None, choices=("float32", "bfloat16", "float16"),
-        help="target dtype for regeneration only (default: --dtype); bfloat16 regenerates about 2x faster on a CPU")  # fmt: skip
-    add("--cache-only", action="store_true", help="stop after writing the target cache (e.g. to build it in the background)")
+    add(
+        "--regen-batch-size",
+        type=int,
+        default=16,
+        help="prompts the target answers together (left-padded batches; several times faster than 1 on a CPU)",
+    )
+    add(
+        "--regen-dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="target dtype for regeneration only (default: --dtype); bfloat16 regenerates about 2x faster on a CPU",
+    )
+    add(
+        "--cache-only",
+        action="store_true",
+        help="stop after writing the target cache (e.g. to build it in the background)",
+    )
     add("--shard-size", type=int, default=64, help="sequences per shard (at most this much work is redone on resume)")
-    add("--window-anchors", type=int, default=None,
-        help="window mode: fix this many anchors per sequence at cache time and keep only their windows")  # fmt: skip
+    add(
+        "--window-anchors",
+        type=int,
+        default=None,
+        help="window mode: fix this many anchors per sequence at cache time and keep only their windows",
+    )
     add("--context-window", type=int, default=None, help="context tokens a block sees before its anchor (default: all)")
 
 
@@ -119,8 +147,12 @@ def _drafter_options(group) -> None:
     add("--draft-heads", type=int, default=None, help="attention heads (default: width / head dim)")
     add("--draft-head-dim", type=int, default=None, help="head dim (default: 128, 64 below width 1024, 16 below 256)")
     add("--draft-intermediate", type=int, default=None, help="MLP width (default: 3 x drafter width)")
-    add("--draft-vocab", type=int, default=None,
-        help="reduced draft vocabulary: the N most frequent answer tokens of the cache (default: the whole vocabulary)")  # fmt: skip
+    add(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="reduced draft vocabulary: the N most frequent answer tokens of the cache (default: the whole vocabulary)",
+    )
     add("--head", default="vanilla", choices=("none", "vanilla", "gated", "rnn"), help="sequential head")
     add("--head-rank", type=int, default=256, help="rank r of the sequential head")
     add("--no-confidence-head", action="store_true", help="draft without a confidence head (no calibration)")
@@ -157,8 +189,12 @@ def _training_options(group) -> None:
 def _heldout_options(group) -> None:
     add = group.add_argument
     add("--eval-max-new-tokens", type=int, default=128, help="answer length when measuring tau")
-    add("--eval-temperature", type=float, default=0.0,
-        help="temperature of the held-out decoding and calibration (0: greedy); use the one you serve")  # fmt: skip
+    add(
+        "--eval-temperature",
+        type=float,
+        default=0.0,
+        help="temperature of the held-out decoding and calibration (0: greedy); use the one you serve",
+    )
     add("--skip-untrained-eval", action="store_true", help="do not measure the untrained drafter's tau")
     add("--skip-calibration", action="store_true", help="do not fit calibration.json")
 
@@ -184,8 +220,12 @@ def drafter_config(args: argparse.Namespace, target) -> DSparkConfig:
         "position_rule": args.position_rule,
         "draft_vocab_size": args.draft_vocab,
     }
-    optional = {"hidden_size": args.draft_hidden, "num_heads": args.draft_heads, "head_dim": args.draft_head_dim,
-                "intermediate_size": args.draft_intermediate}  # fmt: skip
+    optional = {
+        "hidden_size": args.draft_hidden,
+        "num_heads": args.draft_heads,
+        "head_dim": args.draft_head_dim,
+        "intermediate_size": args.draft_intermediate,
+    }
     overrides.update({key: value for key, value in optional.items() if value is not None})
     if args.feature_layers:
         overrides["target_layer_ids"] = tuple(int(x) for x in args.feature_layers.split(","))
@@ -223,13 +263,27 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
             f"--loss-weights takes three numbers CE,TV,confidence (e.g. 0.1,0.9,1.0), got {args.loss_weights!r}"
         ) from None
     return TrainConfig(
-        steps=args.steps, batch_size=args.batch_size, num_anchors=args.num_anchors, grad_accum=args.grad_accum,
-        lr=args.lr, warmup_ratio=args.warmup_ratio, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
-        max_grad_norm=args.max_grad_norm, loss=LossWeights(ce, tv, confidence, args.loss_decay),
-        chunk_tokens=args.chunk_tokens, attention=args.attention, context_window=args.context_window,
-        mixed_precision=args.mixed_precision, eval_every=args.eval_every, eval_sequences=args.eval_sequences,
-        save_every=args.save_every, log_every=args.log_every, seed=args.seed, num_workers=args.num_workers,
-    )  # fmt: skip
+        steps=args.steps,
+        batch_size=args.batch_size,
+        num_anchors=args.num_anchors,
+        grad_accum=args.grad_accum,
+        lr=args.lr,
+        warmup_ratio=args.warmup_ratio,
+        min_lr_ratio=args.min_lr_ratio,
+        weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm,
+        loss=LossWeights(ce, tv, confidence, args.loss_decay),
+        chunk_tokens=args.chunk_tokens,
+        attention=args.attention,
+        context_window=args.context_window,
+        mixed_precision=args.mixed_precision,
+        eval_every=args.eval_every,
+        eval_sequences=args.eval_sequences,
+        save_every=args.save_every,
+        log_every=args.log_every,
+        seed=args.seed,
+        num_workers=args.num_workers,
+    )
 
 
 def new_drafter(target, config: DSparkConfig, seed: int) -> DSparkDrafter:
@@ -245,16 +299,25 @@ def build_target_cache(args, accelerator, target, items, spec: CacheSpec, cache_
         open_cache_dir(cache_dir, spec)
         print(estimate_cache_size(target, items, spec).describe(), flush=True)
     accelerator.wait_for_everyone()
-    report = build_cache(regeneration_target(args, target, accelerator), items, cache_dir, spec,
-                         rank=accelerator.process_index, world_size=accelerator.num_processes,
-                         shard_size=args.shard_size, batch_size=args.regen_batch_size,
-                         show_progress=accelerator.is_local_main_process)  # fmt: skip
+    report = build_cache(
+        regeneration_target(args, target, accelerator),
+        items,
+        cache_dir,
+        spec,
+        rank=accelerator.process_index,
+        world_size=accelerator.num_processes,
+        shard_size=args.shard_size,
+        batch_size=args.regen_batch_size,
+        show_progress=accelerator.is_local_main_process,
+    )
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         counts = finalize_cache(cache_dir)["counts"]
-        print(f"target cache: {counts['sequences']} sequences, {counts['tokens']:,} tokens, "
-              f"{counts['bytes'] / 2**20:.1f} MiB ({counts['bytes_per_sequence'] / 2**10:.1f} KiB per sequence)",
-              flush=True)  # fmt: skip
+        print(
+            f"target cache: {counts['sequences']} sequences, {counts['tokens']:,} tokens, "
+            f"{counts['bytes'] / 2**20:.1f} MiB ({counts['bytes_per_sequence'] / 2**10:.1f} KiB per sequence)",
+            flush=True,
+        )
     accelerator.wait_for_everyone()
     return {"regenerated_prompts": report.prompts_done, "regeneration_seconds": report.seconds}
 
@@ -265,8 +328,10 @@ def choose_draft_vocabulary(drafter: DSparkDrafter, cache: TargetCache, target) 
     ids = draft_vocabulary(counts, drafter.config.draft_vocab_size, always=target.eos_token_ids)
     drafter.set_draft_vocabulary(ids)
     share = coverage(counts, ids)
-    print(f"draft vocabulary: {ids.numel():,} of {target.vocab_size:,} ids cover {share:.2%} of the answer tokens",
-          flush=True)  # fmt: skip
+    print(
+        f"draft vocabulary: {ids.numel():,} of {target.vocab_size:,} ids cover {share:.2%} of the answer tokens",
+        flush=True,
+    )
     return {"size": ids.numel(), "answer_token_coverage": share}
 
 
@@ -278,8 +343,9 @@ def regeneration_target(args: argparse.Namespace, target, accelerator):
     """
     if args.regen_dtype is None or resolve_dtype(args.regen_dtype) == target.dtype:
         return target
-    return load_target(args.target, dtype=args.regen_dtype, attn_implementation=args.attn_implementation,
-                       device=accelerator.device)  # fmt: skip
+    return load_target(
+        args.target, dtype=args.regen_dtype, attn_implementation=args.attn_implementation, device=accelerator.device
+    )
 
 
 def resume_point(args: argparse.Namespace, out: Path, config: DSparkConfig) -> Path | None:
@@ -300,8 +366,9 @@ def resume_point(args: argparse.Namespace, out: Path, config: DSparkConfig) -> P
 
 def measure_heldout(engine: SpecEngine, items, args: argparse.Namespace, label: str):
     """Greedy (by default) decoding of the held-out prompts: tau and identity with the target alone."""
-    run = run_heldout(engine, items, max_new_tokens=args.eval_max_new_tokens, temperature=args.eval_temperature,
-                      seed=args.seed)  # fmt: skip
+    run = run_heldout(
+        engine, items, max_new_tokens=args.eval_max_new_tokens, temperature=args.eval_temperature, seed=args.seed
+    )
     outcome = {True: "identical to the target alone", False: "DIFFERENT from the target alone", None: "sampled"}
     print(f"{label}: tau {run.tau:.3f} over {run.rounds} rounds; output {outcome[run.identical_to_target]}", flush=True)
     return run
@@ -337,12 +404,20 @@ def main(argv: list[str] | None = None, *, target=None) -> dict[str, Any]:
     training = train_config(args)
     accelerator = _accelerator(args)
     if target is None:
-        target = load_target(args.target, dtype=target_dtype(args.dtype, accelerator.device),
-                             attn_implementation=args.attn_implementation, device=accelerator.device)  # fmt: skip
+        target = load_target(
+            args.target,
+            dtype=target_dtype(args.dtype, accelerator.device),
+            attn_implementation=args.attn_implementation,
+            device=accelerator.device,
+        )
     target.model.requires_grad_(False)
     config = drafter_config(args, target)
-    report: dict[str, Any] = {"target": args.target, "drafter_config": config.to_dict(),
-                              "train_prompts": len(train_items), "heldout_prompts": len(heldout_items)}  # fmt: skip
+    report: dict[str, Any] = {
+        "target": args.target,
+        "drafter_config": config.to_dict(),
+        "train_prompts": len(train_items),
+        "heldout_prompts": len(heldout_items),
+    }
 
     cache_dir = Path(args.cache) if args.cache else out / "cache"
     spec = cache_spec(args, target, config)

@@ -27,7 +27,9 @@ def make_target(tokenizer):
     def make(family: str, **overrides) -> QwenVLTarget:
         key = (family, tuple(sorted(overrides.items())))
         if key not in built:
-            built[key] = QwenVLTarget(tiny_model(family, **overrides), tiny_processor(family, tokenizer), name=f"tiny-{family}")
+            built[key] = QwenVLTarget(
+                tiny_model(family, **overrides), tiny_processor(family, tokenizer), name=f"tiny-{family}"
+            )
         return built[key]
 
     return make

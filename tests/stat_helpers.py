@@ -67,8 +67,15 @@ def sample_first_tokens(engine, image, runs: int, params: SamplingParams, joint:
     counts = torch.zeros(len(joint), dtype=torch.float64)
     totals = {"accepted": 0, "verified": 0, "drafted": 0}
     for seed in range(runs):
-        result = engine.generate(image, PROMPT, max_new_tokens=3, temperature=params.temperature,
-                                 top_k=params.top_k, top_p=params.top_p, seed=seed)  # fmt: skip
+        result = engine.generate(
+            image,
+            PROMPT,
+            max_new_tokens=3,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            seed=seed,
+        )
         counts[index[tuple(result.token_ids)]] += 1
         for key in totals:
             totals[key] += getattr(result.stats, key)

@@ -12,15 +12,28 @@ def test_demo_runs_the_reference_pair_and_reports_identical_output(capsys):
 
 
 def test_demo_runs_a_random_tiny_target_with_prompt_lookup(capsys):
-    args = ["demo", "--target", "tiny:qwen2_vl", "--drafter", "prompt-lookup", "--max-new-tokens", "6",
-            "--repeats", "1", "--text-prompt", ""]  # fmt: skip
+    args = [
+        "demo",
+        "--target",
+        "tiny:qwen2_vl",
+        "--drafter",
+        "prompt-lookup",
+        "--max-new-tokens",
+        "6",
+        "--repeats",
+        "1",
+        "--text-prompt",
+        "",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert out.count("output: identical") == 1 and "overall:" not in out
 
 
 def test_generate_prints_the_answer_and_stats(capsys):
-    code = main(["generate", "--target", "tiny:qwen3_vl", "--prompt", "Hello there", "--max-new-tokens", "6", "--compare"])
+    code = main(
+        ["generate", "--target", "tiny:qwen3_vl", "--prompt", "Hello there", "--max-new-tokens", "6", "--compare"]
+    )
     assert code == 0
     out = capsys.readouterr()
     assert "speedup" in out.err and "output: identical" in out.err
@@ -36,13 +49,44 @@ def test_user_errors_exit_2_with_the_fix(capsys):
 
 def test_profile_writes_a_table_the_schedulers_accept(tmp_path, capsys):
     out = tmp_path / "sps.json"
-    args = ["profile", "--target", "tiny:qwen2_vl", "--out", str(out), "--max-tokens", "3",
-            "--context-length", "32", "--warmup", "1", "--repeats", "2"]  # fmt: skip
+    args = [
+        "profile",
+        "--target",
+        "tiny:qwen2_vl",
+        "--out",
+        str(out),
+        "--max-tokens",
+        "3",
+        "--context-length",
+        "32",
+        "--warmup",
+        "1",
+        "--repeats",
+        "2",
+    ]
     assert main(args) == 0
     table = json.loads(out.read_text())
     assert table["tokens"] == [1, 2, 3] and table["meta"]["context_length"] == 32
-    assert main(["generate", "--target", "tiny:qwen2_vl", "--prompt", "hi", "--max-new-tokens", "3",
-                 "--scheduler", "threshold", "--threshold", "0.2", "--drafter", "prompt-lookup"]) == 2  # no confidences
+    assert (
+        main(
+            [
+                "generate",
+                "--target",
+                "tiny:qwen2_vl",
+                "--prompt",
+                "hi",
+                "--max-new-tokens",
+                "3",
+                "--scheduler",
+                "threshold",
+                "--threshold",
+                "0.2",
+                "--drafter",
+                "prompt-lookup",
+            ]
+        )
+        == 2
+    )  # no confidences
     assert "confidence" in capsys.readouterr().err
 
 
@@ -50,8 +94,23 @@ def test_batched_profile_writes_one_curve_per_number_of_requests(tmp_path):
     from vlmspec.scheduling import BatchSPSTable, PrefixScheduler, build_scheduler
 
     out = tmp_path / "batch-sps.json"
-    args = ["profile", "--target", "tiny:qwen2_vl", "--out", str(out), "--requests", "1,3", "--gamma", "2",
-            "--context-length", "16", "--warmup", "0", "--repeats", "1"]  # fmt: skip
+    args = [
+        "profile",
+        "--target",
+        "tiny:qwen2_vl",
+        "--out",
+        str(out),
+        "--requests",
+        "1,3",
+        "--gamma",
+        "2",
+        "--context-length",
+        "16",
+        "--warmup",
+        "0",
+        "--repeats",
+        "1",
+    ]
     assert main(args) == 0
     scheduler = build_scheduler("prefix", sps=str(out))
     table = scheduler.sps_table

@@ -129,7 +129,9 @@ def test_bad_input_gets_a_clear_error_and_the_engine_keeps_working(make_target, 
     args = dict(images=None, prompt="Hello there.", max_new_tokens=4) | kwargs
     with pytest.raises(error, match=match):
         engine.generate(args.pop("images"), args.pop("prompt"), **args)
-    assert engine.generate(None, "Hello there.", max_new_tokens=6).token_ids == hf_greedy(target, None, "Hello there.", 6)
+    assert engine.generate(None, "Hello there.", max_new_tokens=6).token_ids == hf_greedy(
+        target, None, "Hello there.", 6
+    )
 
 
 def test_a_drafter_with_the_wrong_vocabulary_is_refused(make_target):

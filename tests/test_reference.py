@@ -77,12 +77,16 @@ def test_directory_loads_with_every_weight(reference_dir, target):
     assert target.eos_token_ids == (target.tokenizer.convert_tokens_to_ids("<|im_end|>"),)
     assert target.vocab_size == len(target.tokenizer) == 49152 + len(reference.VISION_TOKENS)
     assert target.model.config.tie_word_embeddings
-    assert target.model.get_output_embeddings().weight.data_ptr() == target.model.get_input_embeddings().weight.data_ptr()
+    assert (
+        target.model.get_output_embeddings().weight.data_ptr() == target.model.get_input_embeddings().weight.data_ptr()
+    )
 
 
 @needs_smollm2
 def test_chat_template_keeps_smollm2_format(target):
-    text = target.processor.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    text = target.processor.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert text == (
         f"<|im_start|>system\n{reference.SMOLLM2_SYSTEM_PROMPT}<|im_end|>\n"
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
@@ -143,7 +147,9 @@ def test_answers_heldout_questions(target):
 def test_speculative_greedy_equals_target_alone(target, with_image):
     engine = SpecEngine(target, PromptLookup())
     image = _test_image(3) if with_image else None
-    prompt = "Describe the image." if with_image else "List the days of the week, then list them again in reverse order."
+    prompt = (
+        "Describe the image." if with_image else "List the days of the week, then list them again in reverse order."
+    )
     alone = engine.generate(image, prompt, max_new_tokens=32, speculative=False)
     spec = engine.generate(image, prompt, max_new_tokens=32)
     assert spec.token_ids == alone.token_ids
@@ -173,7 +179,9 @@ def test_cache_is_reused_and_rebuilt_when_stale(tmp_path, monkeypatch):
 def test_missing_package_says_how_to_install(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == reference.GGUF_MODULE else real_find_spec(name, *a)
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == reference.GGUF_MODULE else real_find_spec(name, *a),
     )
     with pytest.raises(ImportError, match="pip install"):
         reference.reference_target_dir()
@@ -199,10 +207,13 @@ def test_unpermute_rotary_rows_restores_split_halves():
 PAIR_PROMPTS = [  # (easy-vqa test image id or None, prompt)
     (7, "Describe the image."),
     (11, "What color is the shape? Answer, then describe the image."),
-    (None, "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-           "How many clips did Natalia sell altogether in April and May?"),
+    (
+        None,
+        "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+        "How many clips did Natalia sell altogether in April and May?",
+    ),
     (None, "Write a short note to a friend about a trip to the mountains."),
-]  # fmt: skip
+]
 # tau (tokens committed per round) of each drafter over PAIR_PROMPTS, greedy, float32, 48
 # new tokens, measured when the drafters were committed: DSpark 1.186, DFlash 1.159 (an
 # untrained drafter gives about 1.0). The floors leave room for a drafter near-tie that

@@ -205,8 +205,13 @@ def test_embedded_table_round_trips(tmp_path, source):
 
 
 def test_embedded_json_cannot_end_its_script_element(tmp_path):
-    meta = SPSMeta(model="</script><script>alert(1)</script>", device="cpu", dtype="x&y", context_length=None,
-                   notes="{{SLIDER_ROWS}} is not a placeholder here")
+    meta = SPSMeta(
+        model="</script><script>alert(1)</script>",
+        device="cpu",
+        dtype="x&y",
+        context_length=None,
+        notes="{{SLIDER_ROWS}} is not a placeholder here",
+    )
     table = SPSTable((1, 2), (2.0, 1.0), meta)
     page = write_simulator(tmp_path / "page.html", table).read_text()
     assert "alert(1)</script>" not in page and "<script>alert" not in page

@@ -13,8 +13,10 @@ from vlmspec.scheduling.factory import SCHEDULERS, describe_schedulers
 
 DEMO_PROMPT = "Describe the image."
 # A GSM8K-style question outside the prompts the reference drafter trained on.
-DEMO_TEXT_PROMPT = ("A baker makes 24 muffins in the morning and 18 in the afternoon. She sells 30 of them and "
-                    "gives 5 to her neighbours. How many muffins are left? Explain step by step.")
+DEMO_TEXT_PROMPT = (
+    "A baker makes 24 muffins in the morning and 18 in the afternoon. She sells 30 of them and "
+    "gives 5 to her neighbours. How many muffins are left? Explain step by step."
+)
 DEMO_IMAGE_ID = 4  # easy-vqa test image: a red circle
 
 
@@ -70,21 +72,38 @@ def _run_generate(args) -> int:
 
 # -------------------------------------------------------------------------------------- demo
 def _add_demo(commands) -> None:
-    p = commands.add_parser("demo", help="the README's main job: an image question and a text question, speculative vs target alone")
-    p.add_argument("--target", default="reference",
-                   help="'reference' (SmolLM2-135M as a Qwen2-VL, bundled), a Qwen-VL model directory, or tiny:FAMILY")
-    p.add_argument("--drafter", default="reference",
-                   help="'reference' (the DSpark drafter trained for the reference target), 'reference-dflash', "
-                        "'prompt-lookup' or a DSpark drafter directory")  # fmt: skip
+    p = commands.add_parser(
+        "demo", help="the README's main job: an image question and a text question, speculative vs target alone"
+    )
+    p.add_argument(
+        "--target",
+        default="reference",
+        help="'reference' (SmolLM2-135M as a Qwen2-VL, bundled), a Qwen-VL model directory, or tiny:FAMILY",
+    )
+    p.add_argument(
+        "--drafter",
+        default="reference",
+        help="'reference' (the DSpark drafter trained for the reference target), 'reference-dflash', "
+        "'prompt-lookup' or a DSpark drafter directory",
+    )
     _scheduler_options(p)
     p.add_argument("--image", default=None, help="an image file (default: a held-out easy-vqa test image)")
     p.add_argument("--prompt", default=DEMO_PROMPT, help="the first question about the image")
-    p.add_argument("--text-prompt", default=DEMO_TEXT_PROMPT,
-                   help="a second, text-only request with a longer answer ('' to skip it)")
+    p.add_argument(
+        "--text-prompt",
+        default=DEMO_TEXT_PROMPT,
+        help="a second, text-only request with a longer answer ('' to skip it)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="float32 is exact on every CPU; bfloat16 is faster but not bit-exact (see the README)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs of each; the fastest counts (a shared CPU is noisy)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="float32 is exact on every CPU; bfloat16 is faster but not bit-exact (see the README)",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed runs of each; the fastest counts (a shared CPU is noisy)"
+    )
     p.set_defaults(run=_run_demo)
 
 
@@ -119,8 +138,10 @@ def _overall(pairs) -> str:
     spec_s = sum(spec.stats.total_s for _, spec in pairs)
     alone_s = sum(alone.stats.total_s for alone, _ in pairs)
     tau = SpecStats.merge(spec.stats for _, spec in pairs).tau
-    return (f"overall: {tokens} tokens   tau: {tau:.2f}   speculative {tokens / spec_s:.1f} tok/s vs target alone "
-            f"{tokens / alone_s:.1f} tok/s   speedup: {alone_s / spec_s:.2f}x")  # fmt: skip
+    return (
+        f"overall: {tokens} tokens   tau: {tau:.2f}   speculative {tokens / spec_s:.1f} tok/s vs target alone "
+        f"{tokens / alone_s:.1f} tok/s   speedup: {alone_s / spec_s:.2f}x"
+    )
 
 
 def _timed_pair(engine, image, prompt: str, max_new_tokens: int, repeats: int):
@@ -158,9 +179,12 @@ def _add_profile(commands) -> None:
     _target_options(p, drafter=False)
     p.add_argument("--out", required=True, help="where to write the table (JSON); a PNG plot is written beside it")
     p.add_argument("--max-tokens", type=int, default=16, help="largest number of tokens in one forward (one request)")
-    p.add_argument("--requests", default=None,
-                   help="comma-separated numbers of concurrent requests, e.g. 1,4,16,32: time the batched (ragged) "
-                        "verification forward of each, for BatchEngine's schedulers")  # fmt: skip
+    p.add_argument(
+        "--requests",
+        default=None,
+        help="comma-separated numbers of concurrent requests, e.g. 1,4,16,32: time the batched (ragged) "
+        "verification forward of each, for BatchEngine's schedulers",
+    )
     p.add_argument("--gamma", type=int, default=7, help="drafts per request at most (with --requests)")
     p.add_argument("--context-length", type=int, default=256, help="tokens already in the cache while timing")
     p.add_argument("--warmup", type=int, default=3)
@@ -175,15 +199,28 @@ def _run_profile(args) -> int:
     from vlmspec.targets.adapter import load_target
     from vlmspec.targets.profile import profile_target, profile_target_batched
 
-    target = load_target(args.target, dtype=args.dtype, attn_implementation=args.attn_implementation, device=args.device)
+    target = load_target(
+        args.target, dtype=args.dtype, attn_implementation=args.attn_implementation, device=args.device
+    )
     if args.requests:
         requests = _int_list(args.requests, "--requests")
-        table = profile_target_batched(target, requests=requests, gamma=args.gamma, context_length=args.context_length,
-                                       warmup=args.warmup, repeats=args.repeats)  # fmt: skip
+        table = profile_target_batched(
+            target,
+            requests=requests,
+            gamma=args.gamma,
+            context_length=args.context_length,
+            warmup=args.warmup,
+            repeats=args.repeats,
+        )
         curves, labels = list(table.curves), [f"{r} requests" for r in table.requests]
     else:
-        table = profile_target(target, max_tokens=args.max_tokens, context_length=args.context_length,
-                               warmup=args.warmup, repeats=args.repeats)  # fmt: skip
+        table = profile_target(
+            target,
+            max_tokens=args.max_tokens,
+            context_length=args.context_length,
+            warmup=args.warmup,
+            repeats=args.repeats,
+        )
         curves, labels = [table], [table.meta.model]
     path = table.save(args.out)
     for curve, label in zip(curves, labels):
@@ -233,7 +270,9 @@ def _run_simulate(args) -> int:
 def _target_options(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     p.add_argument("--target", required=True, help="a Qwen-VL model directory, or tiny:FAMILY for a random tiny model")
     if drafter:
-        p.add_argument("--drafter", default="prompt-lookup", help="'prompt-lookup', 'none' or a DSpark drafter directory")
+        p.add_argument(
+            "--drafter", default="prompt-lookup", help="'prompt-lookup', 'none' or a DSpark drafter directory"
+        )
         _scheduler_options(p)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--attn-implementation", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"))
@@ -242,8 +281,12 @@ def _target_options(p: argparse.ArgumentParser, drafter: bool = True) -> None:
 
 def _scheduler_options(p: argparse.ArgumentParser) -> None:
     """--scheduler by its factory name (vlmspec.scheduling.build_scheduler), and the options the schedulers take."""
-    p.add_argument("--scheduler", default="none", choices=SCHEDULERS,
-                   help=f"how many drafts to verify per round: {describe_schedulers()}")  # fmt: skip
+    p.add_argument(
+        "--scheduler",
+        default="none",
+        choices=SCHEDULERS,
+        help=f"how many drafts to verify per round: {describe_schedulers()}",
+    )
     p.add_argument("--threshold", type=float, default=0.5, help="confidence threshold (threshold scheduler)")
     p.add_argument("--sps", default=None, help="SPS table JSON or preset (sps, prefix, lagged-topk schedulers)")
 
@@ -258,8 +301,14 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
 
 
 def _generation_kwargs(args) -> dict:
-    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, seed=args.seed, stop=args.stop)  # fmt: skip
+    return dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+    )
 
 
 def _engine(args):
@@ -268,8 +317,14 @@ def _engine(args):
 
     scheduler = build_scheduler(args.scheduler, threshold=args.threshold, sps=args.sps)
     drafter = None if args.drafter == "none" else args.drafter
-    return SpecEngine.from_pretrained(args.target, drafter=drafter, scheduler=scheduler, dtype=args.dtype,
-                                      attn_implementation=args.attn_implementation, device=args.device)  # fmt: skip
+    return SpecEngine.from_pretrained(
+        args.target,
+        drafter=drafter,
+        scheduler=scheduler,
+        dtype=args.dtype,
+        attn_implementation=args.attn_implementation,
+        device=args.device,
+    )
 
 
 def format_stats(result, baseline=None) -> str:

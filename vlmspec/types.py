@@ -143,7 +143,17 @@ class RoundRecord:
 
 
 # SpecStats fields that several generations pool by summing (see SpecStats.merge).
-_SUMMED_STATS = ("rounds", "new_tokens", "accepted", "drafted", "verified", "prefill_s", "draft_s", "verify_s", "total_s")
+_SUMMED_STATS = (
+    "rounds",
+    "new_tokens",
+    "accepted",
+    "drafted",
+    "verified",
+    "prefill_s",
+    "draft_s",
+    "verify_s",
+    "total_s",
+)
 
 
 @dataclass

@@ -78,8 +78,9 @@ def verify_rows(
     for group in dict.fromkeys(params):
         rows = [r for r, p in enumerate(params) if p == group]
         index = torch.tensor(rows, device=device)
-        result = verify(block.select(index), target_logits[index.to(target_logits.device)], group,
-                        [generators[r] for r in rows])  # fmt: skip
+        result = verify(
+            block.select(index), target_logits[index.to(target_logits.device)], group, [generators[r] for r in rows]
+        )
         num_accepted[index] = result.num_accepted.to(device)
         next_tokens[index] = result.next_tokens.to(device)
     return VerifyResult(num_accepted=num_accepted, next_tokens=next_tokens)

@@ -11,7 +11,9 @@ from benchmarks.spec.runs import QuestionResult, first_difference
 from vlmspec.types import SpecStats
 
 
-def aggregate_speedup(results: Sequence[QuestionResult], variant: str = "vlmspec", baseline: str = "target") -> float | None:
+def aggregate_speedup(
+    results: Sequence[QuestionResult], variant: str = "vlmspec", baseline: str = "target"
+) -> float | None:
     """Total tokens per second of ``variant`` over that of ``baseline``, on the questions both ran."""
     both = [r for r in results if variant in r.runs and baseline in r.runs]
     return safe_ratio(_throughput(both, variant), _throughput(both, baseline))
@@ -103,18 +105,30 @@ def question_record(result: QuestionResult) -> dict[str, Any]:
     task = result.task
     runs = {}
     for name, x in result.runs.items():
-        runs[name] = {"seconds": x.seconds, "new_tokens": x.new_tokens, "tokens_per_s": x.tokens_per_s,
-                      "finish_reason": x.finish_reason, "text": x.text,
-                      "stats": None if x.stats is None else x.stats.as_dict(),
-                      "identical_to_target": first_difference(result.runs["target"].token_ids, x.token_ids) is None}  # fmt: skip
+        runs[name] = {
+            "seconds": x.seconds,
+            "new_tokens": x.new_tokens,
+            "tokens_per_s": x.tokens_per_s,
+            "finish_reason": x.finish_reason,
+            "text": x.text,
+            "stats": None if x.stats is None else x.stats.as_dict(),
+            "identical_to_target": first_difference(result.runs["target"].token_ids, x.token_ids) is None,
+        }
     record = {
-        "qid": task.qid, "workload": task.workload, "group": task.group, "prompt": task.prompt,
-        "num_images": len(task.images), "answer": task.answer, "identical": result.identical,
-        "first_difference": result.first_difference, "speedup": result.speedup(),
+        "qid": task.qid,
+        "workload": task.workload,
+        "group": task.group,
+        "prompt": task.prompt,
+        "num_images": len(task.images),
+        "answer": task.answer,
+        "identical": result.identical,
+        "first_difference": result.first_difference,
+        "speedup": result.speedup(),
         "tau": result.tau,
-        "predictions": result.predictions, "correct": result.correct, "runs": runs,
-    }  # fmt: skip
+        "predictions": result.predictions,
+        "correct": result.correct,
+        "runs": runs,
+    }
     if not result.identical:
         record["token_ids"] = {"target": result.runs["target"].token_ids, "vlmspec": result.runs["vlmspec"].token_ids}
     return record
-

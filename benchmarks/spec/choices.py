@@ -93,4 +93,3 @@ def _by_lone_capital(text: str, valid: list[str]) -> str | None:
     }
     found &= set(valid)
     return found.pop() if len(found) == 1 else None
-

@@ -87,7 +87,7 @@ def describe_difference(result: QuestionResult) -> str:
     target, spec = result.runs["target"], result.runs["vlmspec"]
     return (
         f"DIFFERENCE in {result.task.qid} ({result.task.workload}) at generated token {i}: "
-        f"target {target.token_ids[i:i + 5]} vs vlmspec {spec.token_ids[i:i + 5]}\n"
+        f"target {target.token_ids[i : i + 5]} vs vlmspec {spec.token_ids[i : i + 5]}\n"
         f"  prompt:  {_shorten(result.task.prompt, 160)}\n"
         f"  target:  {_shorten(target.text, 160)}\n"
         f"  vlmspec: {_shorten(spec.text, 160)}"
@@ -97,4 +97,3 @@ def describe_difference(result: QuestionResult) -> str:
 def _shorten(text: str, width: int) -> str:
     text = " ".join(text.split())
     return text if len(text) <= width else text[: width - 3] + "..."
-

@@ -42,8 +42,14 @@ def hf_generate_kwargs(engine, settings: Settings) -> dict[str, Any]:
     the same distribution and stop on the same tokens.
     """
     eos = list(engine.target.eos_token_ids)
-    kwargs: dict[str, Any] = dict(max_new_tokens=settings.max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],
-                                  repetition_penalty=1.0, num_beams=1, do_sample=not settings.greedy)  # fmt: skip
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=settings.max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=eos[0],
+        repetition_penalty=1.0,
+        num_beams=1,
+        do_sample=not settings.greedy,
+    )
     if settings.greedy:
         kwargs.update(temperature=None, top_k=None, top_p=None)
     else:
@@ -73,14 +79,21 @@ def build_peers(engine, args: argparse.Namespace) -> list[Peer]:
     wanted = {p.strip() for p in args.peers.split(",") if p.strip()} - {"none"}
     unknown = wanted - {"prompt-lookup", "assistant"}
     if unknown:
-        raise ValueError(f"--peers {args.peers!r}: unknown peer(s) {', '.join(sorted(unknown))}; use prompt-lookup, assistant or none")
+        raise ValueError(
+            f"--peers {args.peers!r}: unknown peer(s) {', '.join(sorted(unknown))}; use prompt-lookup, assistant or none"
+        )
     if not wanted:
         return []
     peers = [Peer("hf-generate", "transformers generate(), target alone")]
     if "prompt-lookup" in wanted:
         k = args.prompt_lookup_num_tokens or args.max_draft_tokens
-        peers.append(Peer("hf-prompt-lookup", f"generate(prompt_lookup_num_tokens={k}, max_matching_ngram_size={args.max_ngram})",
-                          {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": args.max_ngram}))  # fmt: skip
+        peers.append(
+            Peer(
+                "hf-prompt-lookup",
+                f"generate(prompt_lookup_num_tokens={k}, max_matching_ngram_size={args.max_ngram})",
+                {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": args.max_ngram},
+            )
+        )
     if "assistant" in wanted:
         peers.append(assistant_peer(engine, args.assistant, args.target))
     return peers
@@ -89,12 +102,18 @@ def build_peers(engine, args: argparse.Namespace) -> list[Peer]:
 def assistant_peer(engine, assistant: str, target: str) -> Peer:
     """``generate(assistant_model=...)``: a smaller model of the target's family; loading problems are recorded."""
     if assistant == "none" or (assistant == "auto" and not target.startswith(("tiny:", "small:"))):
-        return Peer("hf-assistant", "generate(assistant_model=...)", status="not run",
-                    detail="no assistant given: pass --assistant DIR (a smaller Qwen-VL checkpoint of the same family)")  # fmt: skip
+        return Peer(
+            "hf-assistant",
+            "generate(assistant_model=...)",
+            status="not run",
+            detail="no assistant given: pass --assistant DIR (a smaller Qwen-VL checkpoint of the same family)",
+        )
     try:
         model, description = _load_assistant(engine, assistant)
     except Exception as err:  # noqa: BLE001 - any loading failure is a result to report
-        return Peer("hf-assistant", f"generate(assistant_model={assistant})", status="refused", detail=describe_error(err))
+        return Peer(
+            "hf-assistant", f"generate(assistant_model={assistant})", status="refused", detail=describe_error(err)
+        )
     return Peer("hf-assistant", f"generate(assistant_model={description})", {"assistant_model": model})
 
 
@@ -110,7 +129,9 @@ def _load_assistant(engine, assistant: str) -> tuple[Any, str]:
 
     path = Path(assistant)
     if not (path / "config.json").is_file():
-        raise ValueError(f"--assistant {assistant!r} is not a saved model directory (no config.json); pass one or 'none'")
+        raise ValueError(
+            f"--assistant {assistant!r} is not a saved model directory (no config.json); pass one or 'none'"
+        )
     try:
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=engine.target.dtype, local_files_only=True)
     except ValueError:  # a text-only assistant; transformers decides whether it may assist a VLM
@@ -123,4 +144,3 @@ def describe_error(err: BaseException) -> str:
     lines = str(err).strip().splitlines() or [""]
     first = lines[0] if len(lines[0]) <= 400 else lines[0][:400] + " ..."
     return f"{type(err).__name__}: {first}"
-

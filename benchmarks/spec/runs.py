@@ -39,9 +39,13 @@ def load_engine(args: argparse.Namespace):
     from vlmspec.targets import load_target
 
     scheduler = make_scheduler(args.scheduler, parse_key_values(args.scheduler_arg))
-    target = load_target(args.target, dtype=args.dtype, attn_implementation=args.attn_implementation, device=args.device)
+    target = load_target(
+        args.target, dtype=args.dtype, attn_implementation=args.attn_implementation, device=args.device
+    )
     if args.drafter == "prompt-lookup":
-        proposer = PromptLookup(max_draft_tokens=args.max_draft_tokens, max_ngram=args.max_ngram, min_ngram=args.min_ngram)
+        proposer = PromptLookup(
+            max_draft_tokens=args.max_draft_tokens, max_ngram=args.max_ngram, min_ngram=args.min_ngram
+        )
     else:
         proposer = load_proposer(args.drafter, target)
     return SpecEngine(target, proposer, scheduler)
@@ -85,12 +89,24 @@ class RunRecord:
 def run_engine(engine, task: Task, settings: Settings, *, speculative: bool, seed: int) -> RunRecord:
     """``engine.generate`` on one task, timed; ``speculative=False`` is the target alone."""
     with Timer() as timer:
-        result = engine.generate(task.image_arg, task.prompt, max_new_tokens=settings.max_new_tokens,
-                                 temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
-                                 seed=seed, speculative=speculative)  # fmt: skip
-    return RunRecord("vlmspec" if speculative else "target", timer.seconds, list(result.token_ids), result.text,
-                     result.finish_reason, result.stats)  # fmt: skip
-
+        result = engine.generate(
+            task.image_arg,
+            task.prompt,
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            top_k=settings.top_k,
+            top_p=settings.top_p,
+            seed=seed,
+            speculative=speculative,
+        )
+    return RunRecord(
+        "vlmspec" if speculative else "target",
+        timer.seconds,
+        list(result.token_ids),
+        result.text,
+        result.finish_reason,
+        result.stats,
+    )
 
 
 @dataclass
@@ -124,4 +140,3 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
-

@@ -61,7 +61,9 @@ def read_prompt_set(path: str | Path) -> list[str]:
     """First user turn of every line of a ``{"turns": [...]}`` JSONL prompt set."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"prompt set {str(path)!r} does not exist; pass a .jsonl file such as ../shared/data/prompts/mt-bench.jsonl")
+        raise ValueError(
+            f"prompt set {str(path)!r} does not exist; pass a .jsonl file such as ../shared/data/prompts/mt-bench.jsonl"
+        )
     prompts = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
@@ -69,10 +71,14 @@ def read_prompt_set(path: str | Path) -> list[str]:
         try:
             entry = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not valid JSON ({err.msg}); each line must be {{\"turns\": [\"...\"]}}") from None
+            raise ValueError(
+                f'{path}:{number}: not valid JSON ({err.msg}); each line must be {{"turns": ["..."]}}'
+            ) from None
         turns = entry.get("turns") if isinstance(entry, dict) else None
         if not (isinstance(turns, list) and turns and isinstance(turns[0], str) and turns[0].strip()):
-            raise ValueError(f'{path}:{number}: expected {{"turns": ["first user turn", ...]}} with a non-empty first turn')
+            raise ValueError(
+                f'{path}:{number}: expected {{"turns": ["first user turn", ...]}} with a non-empty first turn'
+            )
         prompts.append(turns[0])
     return prompts
 
@@ -105,10 +111,15 @@ def skimage_open_tasks(limit: int | None, max_side: int | None) -> list[Task]:
     """Open, long-answer questions about real photographs from scikit-image."""
     chosen = SKIMAGE_OPEN_QUESTIONS[:limit]
     return [
-        Task(workload="skimage-open", qid=f"skimage-{i}-{name}", group="skimage-open", prompt=question,
-             images=(skimage_image(name, max_side),))
+        Task(
+            workload="skimage-open",
+            qid=f"skimage-{i}-{name}",
+            group="skimage-open",
+            prompt=question,
+            images=(skimage_image(name, max_side),),
+        )
         for i, (name, question) in enumerate(chosen)
-    ]  # fmt: skip
+    ]
 
 
 def easy_vqa_tasks(limit: int | None) -> list[Task]:
@@ -128,8 +139,17 @@ def easy_vqa_tasks(limit: int | None) -> list[Task]:
         with Image.open(paths[image_ids[i]]) as image:
             rgb = image.convert("RGB")
         prompt = f"{questions[i][0].upper()}{questions[i][1:]} Answer with one word."
-        tasks.append(Task(workload="easy-vqa", qid=f"easy-vqa-{i}", group="easy-vqa", prompt=prompt,
-                          images=(rgb,), answer=answers[i], scoring="word"))  # fmt: skip
+        tasks.append(
+            Task(
+                workload="easy-vqa",
+                qid=f"easy-vqa-{i}",
+                group="easy-vqa",
+                prompt=prompt,
+                images=(rgb,),
+                answer=answers[i],
+                scoring="word",
+            )
+        )
     return tasks
 
 
@@ -142,4 +162,3 @@ def score(task: Task, text: str) -> tuple[str | None, bool | None]:
         words = normalize_words(text).split()
         return (words[0] if words else None), task.answer.lower() in words
     return None, None
-

@@ -59,12 +59,26 @@ def test_json_writer_turns_nan_into_null_and_dataclasses_into_objects(tmp_path):
 
 def test_plots_are_written_as_png(tmp_path):
     paths = [
-        plot_grouped_bars(tmp_path / "bars.png", ["a", "b"], {"s1": [1.2, None], "s2": [0.8, 1.1]},
-                          title="t", ylabel="x", reference=1.0),
-        plot_lines(tmp_path / "lines.png", {"all": ([1, 2, 3], [0.9, None, 0.5]), "none": ([1], [None])},
-                   title="t", xlabel="k", ylabel="rate", ylim=(0, 1)),
-        plot_stacked_bars(tmp_path / "stack.png", ["a", "b"], {"p": [1.0, 2.0], "q": [None, 0.5]}, title="t", ylabel="ms"),
-    ]  # fmt: skip
+        plot_grouped_bars(
+            tmp_path / "bars.png",
+            ["a", "b"],
+            {"s1": [1.2, None], "s2": [0.8, 1.1]},
+            title="t",
+            ylabel="x",
+            reference=1.0,
+        ),
+        plot_lines(
+            tmp_path / "lines.png",
+            {"all": ([1, 2, 3], [0.9, None, 0.5]), "none": ([1], [None])},
+            title="t",
+            xlabel="k",
+            ylabel="rate",
+            ylim=(0, 1),
+        ),
+        plot_stacked_bars(
+            tmp_path / "stack.png", ["a", "b"], {"p": [1.0, 2.0], "q": [None, 0.5]}, title="t", ylabel="ms"
+        ),
+    ]
     for path in paths:
         with Image.open(path) as image:
             assert image.format == "PNG" and image.width > 100

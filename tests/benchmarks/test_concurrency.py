@@ -9,13 +9,32 @@ from benchmarks.concurrency import main
 
 def test_a_tiny_concurrency_run_writes_every_output_and_stays_lossless(tmp_path):
     out = tmp_path / "run"
-    args = ["--target", "tiny:qwen2_vl", "--drafter", "untrained", "--concurrency", "1,2", "--modes", "greedy",
-            "--variants", "alone,fixed,prefix", "--max-new-tokens", "4", "--profile-context", "16",
-            "--profile-repeats", "1", "--out", str(out)]  # fmt: skip
+    args = [
+        "--target",
+        "tiny:qwen2_vl",
+        "--drafter",
+        "untrained",
+        "--concurrency",
+        "1,2",
+        "--modes",
+        "greedy",
+        "--variants",
+        "alone,fixed,prefix",
+        "--max-new-tokens",
+        "4",
+        "--profile-context",
+        "16",
+        "--profile-repeats",
+        "1",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     report = json.loads((out / "concurrency.json").read_text())
     cells = report["cells"]
-    assert {(c["concurrency"], c["variant"]) for c in cells} == {(n, v) for n in (1, 2) for v in ("alone", "fixed", "prefix")}
+    assert {(c["concurrency"], c["variant"]) for c in cells} == {
+        (n, v) for n in (1, 2) for v in ("alone", "fixed", "prefix")
+    }
     assert all(c["identical"] and c["errors"] == 0 and c["new_tokens"] == 4 * c["concurrency"] for c in cells)
     assert report["sps_table"]["requests"] == [1, 2] and (out / "sps.json").is_file()
     assert "| greedy | 2 | prefix |" in (out / "concurrency.md").read_text()

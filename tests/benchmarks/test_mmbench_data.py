@@ -31,9 +31,19 @@ def png_b64() -> str:
 
 
 def _row(index, png, **cells):
-    base = {"index": index, "question": f"Question {index}?", "A": "red", "B": "green", "C": "blue", "D": "grey",
-            "answer": "A", "category": "attribute_recognition", "l2-category": "finegrained_perception (instance-level)",
-            "split": "dev", "image": png}  # fmt: skip
+    base = {
+        "index": index,
+        "question": f"Question {index}?",
+        "A": "red",
+        "B": "green",
+        "C": "blue",
+        "D": "grey",
+        "answer": "A",
+        "category": "attribute_recognition",
+        "l2-category": "finegrained_perception (instance-level)",
+        "split": "dev",
+        "image": png,
+    }
     return {**base, **cells}
 
 
@@ -78,10 +88,15 @@ def test_broken_base64_image_is_reported_with_its_index_not_a_crash(tmp_path, pn
 
 def test_other_bad_rows_are_reported(tmp_path, png_b64):
     path = write_mmbench_tsv(
-        [_row(1, png_b64), _row(1, png_b64), _row(2, png_b64, answer="F"), _row(3, png_b64, B="", C="", D=""),
-         _row(4, png_b64, question="")],
+        [
+            _row(1, png_b64),
+            _row(1, png_b64),
+            _row(2, png_b64, answer="F"),
+            _row(3, png_b64, B="", C="", D=""),
+            _row(4, png_b64, question=""),
+        ],
         tmp_path / "bad.tsv",
-    )  # fmt: skip
+    )
     parsed = read_mmbench_tsv(path)
     assert [q.index for q in parsed.questions] == ["1"]
     messages = [p.message for p in parsed.problems]
@@ -100,8 +115,9 @@ def test_image_cell_may_refer_to_another_row(tmp_path, png_b64):
 
 
 def test_multiline_cells_and_limit(tmp_path, png_b64):
-    path = write_mmbench_tsv([_row(1, png_b64, question="Line one\nline two?"), _row(2, png_b64), _row(3, png_b64)],
-                             tmp_path / "multi.tsv")  # fmt: skip
+    path = write_mmbench_tsv(
+        [_row(1, png_b64, question="Line one\nline two?"), _row(2, png_b64), _row(3, png_b64)], tmp_path / "multi.tsv"
+    )
     parsed = read_mmbench_tsv(path, limit=2)
     assert [q.index for q in parsed.questions] == ["1", "2"]
     assert parsed.questions[0].question == "Line one\nline two?"
@@ -121,8 +137,13 @@ def test_files_that_are_not_mmbench_raise_with_the_fix(tmp_path):
 
 
 def test_prompt_in_the_standard_mmbench_format():
-    question = MMBenchQuestion(index="3", question="What is shown?", options={"A": "A cat", "B": "A dog", "C": "A fox"},
-                               image=None, hint="It purrs.")  # fmt: skip
+    question = MMBenchQuestion(
+        index="3",
+        question="What is shown?",
+        options={"A": "A cat", "B": "A dog", "C": "A fox"},
+        image=None,
+        hint="It purrs.",
+    )
     assert build_mmbench_prompt(question) == (
         "Hint: It purrs.\nQuestion: What is shown?\nOptions:\nA. A cat\nB. A dog\nC. A fox\n" + ANSWER_INSTRUCTION
     )
@@ -203,6 +224,10 @@ def test_workload_builders(tmp_path):
 
 
 def test_parse_key_values():
-    assert parse_key_values(["threshold=0.6", "name=abc", "flag=true"]) == {"threshold": 0.6, "name": "abc", "flag": True}
+    assert parse_key_values(["threshold=0.6", "name=abc", "flag=true"]) == {
+        "threshold": 0.6,
+        "name": "abc",
+        "flag": True,
+    }
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_key_values(["oops"])

@@ -86,9 +86,20 @@ def test_differences_are_counted_printed_and_fail_the_greedy_check(capsys):
     assert outcome["lossless_check"] == "FAILED" and outcome["differences"] == 1
     assert verdict(summary, Settings(temperature=1.0))["lossless_check"] == "not applicable"
 
-    report = {"settings": {"target": "stub", "drafter": "stub", "scheduler": "none", "temperature": 0.0,
-                           "max_new_tokens": 3, "seed": 0},
-              "environment": {}, "verdict": outcome, "summary": summary, "problems": []}  # fmt: skip
+    report = {
+        "settings": {
+            "target": "stub",
+            "drafter": "stub",
+            "scheduler": "none",
+            "temperature": 0.0,
+            "max_new_tokens": 3,
+            "seed": 0,
+        },
+        "environment": {},
+        "verdict": outcome,
+        "summary": summary,
+        "problems": [],
+    }
     markdown = render_markdown(report, results, peers)
     assert "## Differences from the target alone" in markdown and "text-1" in markdown
     assert "refused" in markdown and "1/2 (FAILED)" in markdown
@@ -113,11 +124,25 @@ def test_command_line_errors_name_the_fix(tmp_path, capsys):
 
 def test_tiny_end_to_end_run_writes_json_table_plots_and_shows_zero_greedy_differences(tmp_path, capsys):
     out = tmp_path / "run"
-    status = main([
-        "--target", "tiny:qwen2_vl", "--mmbench", str(FIXTURES / "mmbench_mini.tsv"),
-        "--prompt-set", str(FIXTURES / "mt-bench-mini.jsonl"), "--num-questions", "2",
-        "--max-new-tokens", "10", "--warmup", "0", "--out", str(out), "--no-progress",
-    ])  # fmt: skip
+    status = main(
+        [
+            "--target",
+            "tiny:qwen2_vl",
+            "--mmbench",
+            str(FIXTURES / "mmbench_mini.tsv"),
+            "--prompt-set",
+            str(FIXTURES / "mt-bench-mini.jsonl"),
+            "--num-questions",
+            "2",
+            "--max-new-tokens",
+            "10",
+            "--warmup",
+            "0",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     printed = capsys.readouterr().out
     assert status == 0
     report = json.loads((out / "results.json").read_text())
@@ -138,7 +163,11 @@ def test_tiny_end_to_end_run_writes_json_table_plots_and_shows_zero_greedy_diffe
 
     markdown = (out / "results.md").read_text()
     assert "greedy outputs identical to the target alone: 4/4 (passed)" in markdown
-    assert "| mmbench | 2 | 2/2 |" in markdown and "| mmbench/image_topic | 1 | 1/1 |" in markdown and "## Acceptance by draft position" in markdown
+    assert (
+        "| mmbench | 2 | 2/2 |" in markdown
+        and "| mmbench/image_topic | 1 | 1/1 |" in markdown
+        and "## Acceptance by draft position" in markdown
+    )
     assert "4/4 (passed)" in printed and "| workload | n | identical | tau |" in printed
     for name in ("acceptance_by_position", "speedup", "tokens_per_s", "time_split"):
         with Image.open(out / f"{name}.png") as image:

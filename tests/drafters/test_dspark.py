@@ -54,8 +54,18 @@ class StubTarget:
 
 
 def small_config(target: StubTarget, **overrides) -> DSparkConfig:
-    base = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
-                block_size=5, head_rank=8, target_layer_ids=(1, 2), rope_theta=10000.0)  # fmt: skip
+    base = dict(
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        block_size=5,
+        head_rank=8,
+        target_layer_ids=(1, 2),
+        rope_theta=10000.0,
+    )
     return DSparkConfig.for_target(target, **{**base, **overrides})
 
 
@@ -154,9 +164,12 @@ def test_packed_anchor_blocks_match_separate_forwards():
         packed = drafter(features[None], positions[None], anchors, positions[anchor_index], prev, anchor_index)
         for a, index in enumerate(anchor_index[0].tolist()):
             alone = drafter(
-                features[None, :index], positions[None, :index], anchors[:, a : a + 1],
-                positions[None, index : index + 1], prev[:, a : a + 1],
-            )  # fmt: skip
+                features[None, :index],
+                positions[None, :index],
+                anchors[:, a : a + 1],
+                positions[None, index : index + 1],
+                prev[:, a : a + 1],
+            )
             torch.testing.assert_close(packed.logits[:, a], alone.logits[:, 0], atol=ATOL, rtol=0)
 
 
@@ -193,9 +206,15 @@ def test_block_input_is_anchor_then_mask_and_positions_follow_the_anchor():
 
 def head_config(kind: str, vocab: int = 96, hidden: int = 16, rank: int = 8, draft_vocab: int | None = None):
     return DSparkConfig(
-        target_hidden_size=hidden, target_vocab_size=vocab, target_layer_ids=(0,), hidden_size=hidden,
-        head_kind=kind, head_rank=rank, confidence_with_markov=kind != "none", draft_vocab_size=draft_vocab,
-    )  # fmt: skip
+        target_hidden_size=hidden,
+        target_vocab_size=vocab,
+        target_layer_ids=(0,),
+        hidden_size=hidden,
+        head_kind=kind,
+        head_rank=rank,
+        confidence_with_markov=kind != "none",
+        draft_vocab_size=draft_vocab,
+    )
 
 
 def random_head(kind: str, vocab: int = 96, seed: int = 0, draft_vocab: int | None = None):
@@ -249,8 +268,14 @@ def test_head_samples_follow_their_distribution(kind):
     hidden, base = torch.randn(1, gamma, 16, generator=gen), torch.randn(1, gamma, vocab, generator=gen)
     anchor = torch.tensor([2])
     with torch.no_grad():
-        out = head.sample(hidden.expand(samples, -1, -1), base.expand(samples, -1, -1), anchor.expand(samples),
-                          torch.arange(vocab), temperature, gen)  # fmt: skip
+        out = head.sample(
+            hidden.expand(samples, -1, -1),
+            base.expand(samples, -1, -1),
+            anchor.expand(samples),
+            torch.arange(vocab),
+            temperature,
+            gen,
+        )
         blocks = torch.cartesian_prod(*[torch.arange(vocab)] * gamma)  # [125, 3]: every possible block
         n = len(blocks)
         prev = torch.cat((anchor.expand(n)[:, None], blocks[:, :-1]), dim=1)
@@ -407,9 +432,12 @@ def updates(drafter: DSparkDrafter, spans: list[int]):
     for n in spans:
         end = start + n
         yield ContextUpdate(
-            token_ids=torch.arange(start, end), positions=positions[start:end], features=features[start:end],
-            anchor=int(end % 90), anchor_position=int(positions[end]),
-        )  # fmt: skip
+            token_ids=torch.arange(start, end),
+            positions=positions[start:end],
+            features=features[start:end],
+            anchor=int(end % 90),
+            anchor_position=int(positions[end]),
+        )
         start = end
 
 
@@ -421,7 +449,9 @@ def test_proposer_follows_the_protocol():
     assert proposer.position_rule == "interpolate"
     state = proposer.new_state()
     for update in updates(drafter, [12, 3, 1]):
-        block = proposer.propose([state], [update], [SamplingParams(temperature=0.0)], [torch.Generator().manual_seed(0)])
+        block = proposer.propose(
+            [state], [update], [SamplingParams(temperature=0.0)], [torch.Generator().manual_seed(0)]
+        )
         assert block.tokens.shape == (1, 5) and block.num_tokens.tolist() == [5]
         assert block.draft_probs is None  # greedy: one-hot
         assert block.confidences.shape == (1, 5) and block.confidences.dtype == torch.float32
@@ -491,8 +521,17 @@ def test_a_batch_of_requests_drafts_what_each_drafts_alone(draft_vocab):
         blocks = []
         for step in range(max(len(spans[row]) for row in rows)):
             active = [row for row in rows if step < len(streams[row])]
-            blocks.append((active, proposer.propose([states[r] for r in active], [streams[r][step] for r in active],
-                                                    [params[r] for r in active], [gens[r] for r in active])))  # fmt: skip
+            blocks.append(
+                (
+                    active,
+                    proposer.propose(
+                        [states[r] for r in active],
+                        [streams[r][step] for r in active],
+                        [params[r] for r in active],
+                        [gens[r] for r in active],
+                    ),
+                )
+            )
         return blocks
 
     together = run([0, 1, 2])
@@ -521,8 +560,9 @@ def test_padded_contexts_are_extended_while_the_batch_stays_and_rebuilt_when_it_
     # (rows proposed together): the same pair twice (extended in place), then a join in another order (rebuilt),
     # then one request alone and the batch again (its cache moved on outside the batch: rebuilt)
     for rows in ([0, 1], [0, 1], [2, 1, 0], [1], [2, 1, 0]):
-        block = proposer.propose([batched[r] for r in rows], [streams[r][taken[r]] for r in rows], [greedy] * len(rows),
-                                 [gen] * len(rows))  # fmt: skip
+        block = proposer.propose(
+            [batched[r] for r in rows], [streams[r][taken[r]] for r in rows], [greedy] * len(rows), [gen] * len(rows)
+        )
         for i, r in enumerate(rows):
             single = proposer.propose([alone[r]], [streams[r][taken[r]]], [greedy], [gen])
             assert torch.equal(block.tokens[i], single.tokens[0])

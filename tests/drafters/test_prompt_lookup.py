@@ -50,6 +50,8 @@ def test_bad_settings_are_refused():
 def test_a_batch_of_requests_gets_each_its_own_lookup_padded_to_the_longest():
     lookup = PromptLookup(max_draft_tokens=3, max_ngram=2)
     updates = [update([5, 6, 7, 8, 1, 5, 6, 9, 9], anchor=5), update([1, 2, 3], anchor=4), update([7, 3, 4], anchor=3)]
-    block = lookup.propose([lookup.new_state() for _ in updates], updates, [SamplingParams()] * 3, [torch.Generator()] * 3)
+    block = lookup.propose(
+        [lookup.new_state() for _ in updates], updates, [SamplingParams()] * 3, [torch.Generator()] * 3
+    )
     assert block.tokens.shape == (3, 3) and block.num_tokens.tolist() == [3, 0, 2]
     assert block.tokens[0].tolist() == [6, 9, 9] and block.tokens[2, :2].tolist() == [4, 3]

@@ -19,7 +19,9 @@ from vlmspec.scheduling import (
 
 def curve(requests: int, per_token: float, gamma: int = 3) -> SPSTable:
     tokens = tuple(range(requests, requests * (1 + gamma) + 1))
-    return SPSTable(tokens, tuple(1.0 / (0.1 + 0.01 * requests + per_token * b) for b in tokens), sps_preset("cpu").meta)
+    return SPSTable(
+        tokens, tuple(1.0 / (0.1 + 0.01 * requests + per_token * b) for b in tokens), sps_preset("cpu").meta
+    )
 
 
 TABLE = BatchSPSTable((1, 4), (curve(1, 0.001), curve(4, 0.004)))
@@ -29,7 +31,10 @@ def test_measured_curves_are_returned_and_others_interpolated_in_requests():
     assert TABLE.for_requests(1) is TABLE.curves[0] and TABLE.for_requests(4) is TABLE.curves[1]
     two = TABLE.for_requests(2)
     assert two.min_tokens == 2 and two.max_tokens == 16
-    low, high = 1 / TABLE.curves[0].sps(3), 1 / TABLE.curves[1].sps(4)  # B = 3 lies below the 4-request curve: held flat
+    low, high = (
+        1 / TABLE.curves[0].sps(3),
+        1 / TABLE.curves[1].sps(4),
+    )  # B = 3 lies below the 4-request curve: held flat
     assert 1 / two.sps(3) == pytest.approx(low * 2 / 3 + high / 3)
     assert TABLE.for_requests(2) is two  # cached
     with pytest.raises(ValueError, match="1..4 concurrent requests, not 5"):
@@ -55,7 +60,10 @@ def test_schedulers_use_the_curve_of_the_batch_they_schedule():
     lengths = PrefixScheduler(TABLE).schedule(confidences, drafted)
     theta_cap = TABLE.for_requests(4).max_tokens
     assert int((1 + lengths).sum()) <= theta_cap
-    assert int((1 + PrefixScheduler(TABLE).schedule(confidences[:2], drafted[:2])).sum()) <= TABLE.for_requests(2).max_tokens
+    assert (
+        int((1 + PrefixScheduler(TABLE).schedule(confidences[:2], drafted[:2])).sum())
+        <= TABLE.for_requests(2).max_tokens
+    )
     assert SPSArgmaxScheduler(TABLE).sps_table is TABLE.curves[0]
     lagged = LaggedTopKScheduler(TABLE, lag=1)
     for rows in (4, 2, 3):

@@ -28,9 +28,9 @@ def test_sts_lowers_ece_on_overconfident_data_and_keeps_each_positions_auc() -> 
     calibrated = held_out.metrics(calibration)
     for k in range(held_out.gamma):
         assert raw.ece[k] > 0.08, "the synthetic head should start clearly overconfident"
-        assert (
-            calibrated.ece[k] < 0.5 * raw.ece[k]
-        ), f"position {k + 1}: ECE {raw.ece[k]:.3f} -> {calibrated.ece[k]:.3f}"
+        assert calibrated.ece[k] < 0.5 * raw.ece[k], (
+            f"position {k + 1}: ECE {raw.ece[k]:.3f} -> {calibrated.ece[k]:.3f}"
+        )
         assert calibrated.brier[k] < raw.brier[k]
     # Per-position temperature scaling is order-preserving: each position's own AUC is unchanged.
     # (In float64, so rounding cannot merge two distinct confidences into a tie.)

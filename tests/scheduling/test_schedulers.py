@@ -106,7 +106,9 @@ def test_each_name_builds_its_class_and_unknown_names_list_them_all() -> None:
     assert tuple(SCHEDULER_CLASSES) == ("none", "threshold", "sps", "prefix", "lagged-topk")
     for name, cls in SCHEDULER_CLASSES.items():
         assert type(build_scheduler(name, sps="appendix_a")) is cls
-    with pytest.raises(ValueError, match=r"'algorithm1'; choose one of none \(VerifyAll\), .*prefix \(PrefixScheduler\)"):
+    with pytest.raises(
+        ValueError, match=r"'algorithm1'; choose one of none \(VerifyAll\), .*prefix \(PrefixScheduler\)"
+    ):
         build_scheduler("algorithm1")
 
 

@@ -17,7 +17,13 @@ from vlmspec.engine import SpecEngine
 from vlmspec.serving import BatchEngine
 from vlmspec.types import ContextUpdate, DraftBlock, SamplingParams
 
-PROMPTS = ["Describe the picture.", "Write a haiku about rain.", "Compare the two pictures.", "Count from one to ten.", "Hi"]
+PROMPTS = [
+    "Describe the picture.",
+    "Write a haiku about rain.",
+    "Compare the two pictures.",
+    "Count from one to ten.",
+    "Hi",
+]
 
 
 class ScriptedDrafter(PerRequestProposer):
@@ -59,8 +65,10 @@ def request_list(astronaut, coffee, lengths=(12, 20, 6, 16, 9)):
 def alone_outputs(target, requests) -> list[list[int]]:
     """Each request's batch-1 target-alone greedy output (tests/test_engine.py ties it to transformers')."""
     engine = SpecEngine(target)
-    return [engine.generate(r.get("images"), r["prompt"], max_new_tokens=r["max_new_tokens"], speculative=False).token_ids
-            for r in requests]  # fmt: skip
+    return [
+        engine.generate(r.get("images"), r["prompt"], max_new_tokens=r["max_new_tokens"], speculative=False).token_ids
+        for r in requests
+    ]
 
 
 def scripted(target, requests, expected, gamma=3) -> ScriptedDrafter:
@@ -140,13 +148,22 @@ def test_a_seed_gives_the_same_sample_whatever_else_is_in_the_batch(make_target,
     from test_engine import OracleDrafter  # drafts from a noisy copy of the target: sampled drafts, some accepted
 
     target = make_target("qwen2_5_vl")
-    mine = dict(images=None, prompt="Tell me a story about a fox.", max_new_tokens=16, temperature=0.9, top_p=0.95, seed=11)
+    mine = dict(
+        images=None, prompt="Tell me a story about a fox.", max_new_tokens=16, temperature=0.9, top_p=0.95, seed=11
+    )
     engine = BatchEngine(target, OracleDrafter(target, gamma=3))
     alone = engine.generate_many([mine])[0].token_ids
-    assert alone == SpecEngine(target, OracleDrafter(target, gamma=3)).generate(
-        None, mine["prompt"], max_new_tokens=16, temperature=0.9, top_p=0.95, seed=11).token_ids  # fmt: skip
-    others = [dict(images=astronaut.resize((64, 64)), prompt="Describe it.", max_new_tokens=12, temperature=1.0, seed=3),
-              dict(prompt="Hi", max_new_tokens=20), dict(prompt="Write a poem.", max_new_tokens=6, temperature=0.5, seed=11)]
+    assert (
+        alone
+        == SpecEngine(target, OracleDrafter(target, gamma=3))
+        .generate(None, mine["prompt"], max_new_tokens=16, temperature=0.9, top_p=0.95, seed=11)
+        .token_ids
+    )
+    others = [
+        dict(images=astronaut.resize((64, 64)), prompt="Describe it.", max_new_tokens=12, temperature=1.0, seed=3),
+        dict(prompt="Hi", max_new_tokens=20),
+        dict(prompt="Write a poem.", max_new_tokens=6, temperature=0.5, seed=11),
+    ]
     first = engine.add_request(**others[0])
     engine.step()
     engine.step()  # the request joins a batch already two steps in, then others join and leave around it

@@ -61,16 +61,23 @@ def drafter(confined_target) -> DSparkDrafter:
 def mixed_requests(astronaut, **options) -> list[dict]:
     picture = astronaut.resize((64, 64))
     prompts = [(picture, PROMPT), (None, "Tell me a story."), (picture, "What colours are there?"), (None, "Hello.")]
-    return [dict(images=image, prompt=prompt, max_new_tokens=10 + 3 * i, **options) for i, (image, prompt) in enumerate(prompts)]
+    return [
+        dict(images=image, prompt=prompt, max_new_tokens=10 + 3 * i, **options)
+        for i, (image, prompt) in enumerate(prompts)
+    ]
 
 
 @pytest.mark.parametrize("name", SCHEDULERS)
 def test_every_scheduler_runs_through_the_batch_engine_losslessly(name, confined_target, drafter, astronaut):
     requests = mixed_requests(astronaut)
     alone = SpecEngine(confined_target)
-    expected = [alone.generate(r["images"], r["prompt"], max_new_tokens=r["max_new_tokens"], speculative=False).token_ids
-                for r in requests]  # fmt: skip
-    engine = BatchEngine(confined_target, drafter.proposer(), build_scheduler(name, **SCHEDULERS[name]), max_batch_size=3)
+    expected = [
+        alone.generate(r["images"], r["prompt"], max_new_tokens=r["max_new_tokens"], speculative=False).token_ids
+        for r in requests
+    ]
+    engine = BatchEngine(
+        confined_target, drafter.proposer(), build_scheduler(name, **SCHEDULERS[name]), max_batch_size=3
+    )
     results = engine.generate_many(requests)
     assert [r.token_ids for r in results] == expected
     lengths = [n for r in results for n in r.stats.verified_lengths]
@@ -89,9 +96,13 @@ def test_sampled_requests_follow_the_target_distribution(name, confined_target, 
     if name == "oracle":
         engine = BatchEngine(confined_target, OracleDrafter(confined_target), max_batch_size=16)
     else:  # DSpark drafts for 16 requests in one pass; Algorithm 1 splits one verification budget among them
-        engine = BatchEngine(confined_target, drafter.proposer(), build_scheduler("prefix", sps="cpu"), max_batch_size=16)
+        engine = BatchEngine(
+            confined_target, drafter.proposer(), build_scheduler("prefix", sps="cpu"), max_batch_size=16
+        )
     runs = 300
-    results = engine.generate_many([dict(prompt=PROMPT, max_new_tokens=3, temperature=1.0, seed=seed) for seed in range(runs)])
+    results = engine.generate_many(
+        [dict(prompt=PROMPT, max_new_tokens=3, temperature=1.0, seed=seed) for seed in range(runs)]
+    )
     index = {sequence: i for i, sequence in enumerate(joint)}
     counts = torch.zeros(len(joint), dtype=torch.float64)
     for result in results:
@@ -108,7 +119,9 @@ def flat_table(max_tokens: int) -> SPSTable:
     return SPSTable(tokens, (100.0,) * max_tokens, sps_preset("cpu").meta)
 
 
-@pytest.mark.parametrize("make", [PrefixScheduler, lambda table: LaggedTopKScheduler(table, lag=1)], ids=["prefix", "lagged-topk"])
+@pytest.mark.parametrize(
+    "make", [PrefixScheduler, lambda table: LaggedTopKScheduler(table, lag=1)], ids=["prefix", "lagged-topk"]
+)
 def test_algorithm_1_keeps_to_its_budget_and_gives_every_request_its_anchor(make, confined_target, drafter, astronaut):
     budget = 9  # tokens per verification forward, for up to 4 requests with 4 drafts each (20 wanted)
     table = BatchSPSTable((1, 4), (flat_table(budget), flat_table(budget)))
@@ -202,7 +215,11 @@ def appendix(tokenizer) -> QwenVLTarget:
 
 @pytest.mark.parametrize(
     "make, concurrent",
-    [(lambda: PrefixScheduler(APPENDIX), 2), (lambda: LaggedTopKScheduler(APPENDIX), 2), (lambda: SPSArgmaxScheduler(APPENDIX), 4)],
+    [
+        (lambda: PrefixScheduler(APPENDIX), 2),
+        (lambda: LaggedTopKScheduler(APPENDIX), 2),
+        (lambda: SPSArgmaxScheduler(APPENDIX), 4),
+    ],
     ids=["PrefixScheduler", "LaggedTopKScheduler", "SPSArgmaxScheduler"],
 )
 def test_appendix_a_causal_schedulers_keep_the_target_distribution_through_the_engine(appendix, make, concurrent):

@@ -22,7 +22,9 @@ def test_multi_token_verify_and_rollback_match_one_token_decoding(make_target, f
     out2 = target.verify(state, reference[3:7])
     predicted = [first] + out.logits[:3].argmax(-1).tolist() + out2.logits.argmax(-1).tolist()
     assert predicted == reference.tolist()
-    assert out2.positions.tolist() == list(range(inputs.length + 3 + state.rope_delta, inputs.length + 7 + state.rope_delta))
+    assert out2.positions.tolist() == list(
+        range(inputs.length + 3 + state.rope_delta, inputs.length + 7 + state.rope_delta)
+    )
 
 
 def test_request_state_does_not_leak_through_the_models_rope_deltas(make_target, astronaut):
@@ -33,7 +35,9 @@ def test_request_state_does_not_leak_through_the_models_rope_deltas(make_target,
     text_inputs = target.build_inputs(None, "Tell me a joke.")
     state, step = target.prefill(text_inputs)
     assert state.rope_delta == 0
-    reference = target.model.generate(**text_inputs.model_kwargs, max_new_tokens=3, do_sample=False)[0, text_inputs.length :]
+    reference = target.model.generate(**text_inputs.model_kwargs, max_new_tokens=3, do_sample=False)[
+        0, text_inputs.length :
+    ]
     out = target.verify(state, reference[:2])
     assert [int(step.logits[-1].argmax())] + out.logits.argmax(-1).tolist() == reference.tolist()
 
@@ -52,7 +56,9 @@ def test_forward_sequence_gives_final_norm_hidden_states(make_target):
     features, last_hidden, positions = target.forward_sequence(inputs, feature_layers=(0, 1))
     logits = target.model(**inputs.model_kwargs).logits[0]
     torch.testing.assert_close(target.output_head(last_hidden), logits, rtol=1e-4, atol=1e-4)
-    assert features.shape == (inputs.length, 2 * target.hidden_size) and positions.tolist() == list(range(inputs.length))
+    assert features.shape == (inputs.length, 2 * target.hidden_size) and positions.tolist() == list(
+        range(inputs.length)
+    )
 
 
 def test_final_layer_and_bad_layers_are_refused(make_target):
@@ -66,8 +72,9 @@ def test_final_layer_and_bad_layers_are_refused(make_target):
 def test_other_architectures_are_refused(tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    llama = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                         vocab_size=100))  # fmt: skip
+    llama = LlamaForCausalLM(
+        LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=100)
+    )
     with pytest.raises(ValueError, match="supports Qwen2-VL"):
         QwenVLTarget(llama, object())
     with pytest.raises(FileNotFoundError, match="config.json"):

@@ -8,8 +8,11 @@ from vlmspec.targets.batch import decode_batch, keep_rows, prefill_batch
 def test_a_padded_batch_with_an_image_decodes_each_row_as_if_alone(make_target, family, astronaut):
     target = make_target(family)
     picture = astronaut.resize((64, 64))
-    batch = [target.build_inputs(None, "Hi"), target.build_inputs(picture, "Describe it in detail."),
-             target.build_inputs(None, "Name three colours of the rainbow.")]  # fmt: skip
+    batch = [
+        target.build_inputs(None, "Hi"),
+        target.build_inputs(picture, "Describe it in detail."),
+        target.build_inputs(None, "Name three colours of the rainbow."),
+    ]
     layers = (0, 2)
     state, step = prefill_batch(target, batch, feature_layers=layers)
     alone = [target.prefill(inputs, feature_layers=layers) for inputs in batch]

@@ -40,9 +40,10 @@ def test_real_prompt_positions_match_the_targets_rope_index(make_target, astrona
     inputs = target.build_inputs([astronaut, astronaut], "Compare the two pictures.")
     state, step = target.prefill(inputs)
     mrope, delta = target.model.model.get_rope_index(
-        inputs.input_ids, mm_token_type_ids=inputs.model_kwargs["mm_token_type_ids"],
+        inputs.input_ids,
+        mm_token_type_ids=inputs.model_kwargs["mm_token_type_ids"],
         image_grid_thw=inputs.model_kwargs["image_grid_thw"],
-    )  # fmt: skip
+    )
     text = (mrope[0, 0] == mrope[1, 0]) & (mrope[1, 0] == mrope[2, 0]) & (inputs.input_ids[0] != 151655)
     assert torch.equal(step.positions[text], mrope[0, 0][text])
     assert int(step.positions[-1]) + 1 == inputs.length + state.rope_delta == int(mrope.max()) + 1

@@ -9,8 +9,11 @@ LAYERS = (0, 2)
 
 
 def prompts(target, picture):
-    return [target.build_inputs(None, "Hi"), target.build_inputs(picture, "Describe it in detail."),
-            target.build_inputs(None, "Name three colours of the rainbow.")]  # fmt: skip
+    return [
+        target.build_inputs(None, "Hi"),
+        target.build_inputs(picture, "Describe it in detail."),
+        target.build_inputs(None, "Name three colours of the rainbow."),
+    ]
 
 
 def check_rows(target, step, alone, tokens, num_tokens, keep):

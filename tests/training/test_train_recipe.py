@@ -34,14 +34,55 @@ def load_recipe():
 
 
 SMOKE = [
-    "--target", "tiny:qwen2_5_vl", "--prompts", str(GSM8K_MINI), "--num-prompts", "24", "--heldout-prompts", "4",
-    "--max-new-tokens", "32", "--temperature", "0", "--feature-layers", "1,2",
-    "--draft-hidden", "64", "--draft-layers", "1", "--draft-heads", "4", "--draft-head-dim", "16",
-    "--draft-intermediate", "128", "--head-rank", "32", "--block-size", "4",
-    "--steps", "60", "--batch-size", "1", "--num-anchors", "8", "--lr", "0.1", "--warmup-ratio", "0.1",
-    "--eval-every", "0", "--save-every", "0", "--eval-sequences", "3", "--log-every", "10",
-    "--eval-max-new-tokens", "32",
-]  # fmt: skip
+    "--target",
+    "tiny:qwen2_5_vl",
+    "--prompts",
+    str(GSM8K_MINI),
+    "--num-prompts",
+    "24",
+    "--heldout-prompts",
+    "4",
+    "--max-new-tokens",
+    "32",
+    "--temperature",
+    "0",
+    "--feature-layers",
+    "1,2",
+    "--draft-hidden",
+    "64",
+    "--draft-layers",
+    "1",
+    "--draft-heads",
+    "4",
+    "--draft-head-dim",
+    "16",
+    "--draft-intermediate",
+    "128",
+    "--head-rank",
+    "32",
+    "--block-size",
+    "4",
+    "--steps",
+    "60",
+    "--batch-size",
+    "1",
+    "--num-anchors",
+    "8",
+    "--lr",
+    "0.1",
+    "--warmup-ratio",
+    "0.1",
+    "--eval-every",
+    "0",
+    "--save-every",
+    "0",
+    "--eval-sequences",
+    "3",
+    "--log-every",
+    "10",
+    "--eval-max-new-tokens",
+    "32",
+]
 
 
 def test_recipe_smoke_run_trains_a_drafter_that_beats_the_untrained_one(target, tmp_path):
@@ -50,8 +91,11 @@ def test_recipe_smoke_run_trains_a_drafter_that_beats_the_untrained_one(target, 
     report = recipe.main([*SMOKE, "--out", str(out)], target=target)
     training = report["training"]
     assert training["last_loss"] < training["first_loss"]
-    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
-              if json.loads(line)["split"] == "train"]  # fmt: skip
+    losses = [
+        json.loads(line)["loss"]
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["split"] == "train"
+    ]
     assert losses[-1] < losses[0]
     untrained, trained = report["untrained"], report["trained"]
     assert untrained["identical_to_target"] and trained["identical_to_target"]
@@ -89,8 +133,20 @@ def test_recipe_refuses_a_checkpoint_of_another_drafter_shape(target, tmp_path):
 def test_recipe_refuses_bad_options_before_loading_the_target(tmp_path):
     recipe = load_recipe()
     with pytest.raises(ValueError, match="does not exist"):
-        recipe.main(["--target", "tiny:qwen2_vl", "--prompts", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")])
+        recipe.main(
+            ["--target", "tiny:qwen2_vl", "--prompts", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")]
+        )
     with pytest.raises(ValueError, match="--loss-weights"):
-        recipe.main(["--target", "tiny:qwen2_vl", "--prompts", str(GSM8K_MINI), "--out", str(tmp_path / "o"),
-                     "--loss-weights", "1,2"])  # fmt: skip
+        recipe.main(
+            [
+                "--target",
+                "tiny:qwen2_vl",
+                "--prompts",
+                str(GSM8K_MINI),
+                "--out",
+                str(tmp_path / "o"),
+                "--loss-weights",
+                "1,2",
+            ]
+        )
     assert not (tmp_path / "o").exists()

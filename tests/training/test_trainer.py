@@ -14,8 +14,18 @@ from vlmspec.training.trainer import warmup_cosine
 
 
 def config(**overrides) -> TrainConfig:
-    options = dict(steps=6, batch_size=2, num_anchors=3, lr=3e-3, warmup_ratio=0.2, eval_every=3, eval_sequences=2,
-                   save_every=3, log_every=1, chunk_tokens=8)  # fmt: skip
+    options = dict(
+        steps=6,
+        batch_size=2,
+        num_anchors=3,
+        lr=3e-3,
+        warmup_ratio=0.2,
+        eval_every=3,
+        eval_sequences=2,
+        save_every=3,
+        log_every=1,
+        chunk_tokens=8,
+    )
     return TrainConfig(**{**options, **overrides})
 
 

@@ -31,10 +31,15 @@ def test_turns_jsonl():
 def test_messages_jsonl_with_images_and_multi_turn(tmp_path, astronaut):
     astronaut.resize((64, 64)).save(tmp_path / "astronaut.png")
     lines = [
-        {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Who is this?"}]},
-                      {"role": "assistant", "content": "an old answer, regenerated"}], "images": ["astronaut.png"]},
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Who is this?"}]},
+                {"role": "assistant", "content": "an old answer, regenerated"},
+            ],
+            "images": ["astronaut.png"],
+        },
         {"turns": ["Name a colour.", "Now another one."]},
-    ]  # fmt: skip
+    ]
     (tmp_path / "mixed.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     first, second = read_prompts(tmp_path / "mixed.jsonl")
     assert [m["role"] for m in first.messages] == ["user"]  # the trailing assistant answer is dropped
@@ -112,13 +117,18 @@ def test_batched_regeneration_equals_one_prompt_at_a_time(make_target, tmp_path,
     """Every sequence of a batch (images, second turns, rows that end early) is the one regenerated alone."""
     target = make_target("qwen2_vl")
     astronaut.resize((64, 64)).save(tmp_path / "a.png")
-    lines = [{"turns": ["Describe it.", "Shorter."], "images": ["a.png"]}, {"turns": ["Hi"]},
-             {"turns": ["Name a colour.", "Another."]}]  # fmt: skip
+    lines = [
+        {"turns": ["Describe it.", "Shorter."], "images": ["a.png"]},
+        {"turns": ["Hi"]},
+        {"turns": ["Name a colour.", "Another."]},
+    ]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     items = read_prompts(tmp_path / "p.jsonl")
     config = GenerationConfig(max_new_tokens=5, temperature=0.7, top_p=0.8, top_k=20, seed=2)
     batched = regenerate_items(target, items, config, FEATURE_LAYERS, "interpolate")
-    alone = [sequence for item in items for sequence in regenerate_item(target, item, config, FEATURE_LAYERS, "interpolate")]
+    alone = [
+        sequence for item in items for sequence in regenerate_item(target, item, config, FEATURE_LAYERS, "interpolate")
+    ]
     assert [s.id for s in batched] == [s.id for s in alone] and len(batched) == 5
     for mine, theirs in zip(batched, alone):
         assert torch.equal(mine.input_ids, theirs.input_ids) and torch.equal(mine.positions, theirs.positions)

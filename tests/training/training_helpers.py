@@ -24,8 +24,16 @@ FEATURE_LAYERS = (1, 2)
 
 def tiny_drafter_config(target, **overrides) -> DSparkConfig:
     """A drafter small enough for CPU tests (hidden 64, 1 layer, rank 32, gamma 4)."""
-    options = dict(hidden_size=64, num_layers=1, num_heads=4, head_dim=16, intermediate_size=128, head_rank=32,
-                   block_size=4, target_layer_ids=FEATURE_LAYERS)  # fmt: skip
+    options = dict(
+        hidden_size=64,
+        num_layers=1,
+        num_heads=4,
+        head_dim=16,
+        intermediate_size=128,
+        head_rank=32,
+        block_size=4,
+        target_layer_ids=FEATURE_LAYERS,
+    )
     return DSparkConfig.for_target(target, **{**options, **overrides})
 
 
@@ -45,5 +53,3 @@ def write_cache(target, items, directory: Path, spec: CacheSpec, **options) -> T
     build_cache(target, items, directory, spec, show_progress=False, **options)
     finalize_cache(directory)
     return TargetCache(directory)
-
-

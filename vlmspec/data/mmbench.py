@@ -95,7 +95,9 @@ def read_mmbench_tsv(path: str | Path, limit: int | None = None) -> MMBenchFile:
         try:
             question = _parse_row(row, images_by_index)
             if question.index in seen:
-                raise ValueError(f"row index {question.index}: the index is used by an earlier row; indices must be unique")
+                raise ValueError(
+                    f"row index {question.index}: the index is used by an earlier row; indices must be unique"
+                )
             seen.add(question.index)
             result.questions.append(question)
         except ValueError as err:
@@ -201,6 +203,8 @@ def _row_image(index: str, cell: str | None, images_by_index: Mapping[str | None
     try:
         data = base64.b64decode(cell, validate=True)
     except (binascii.Error, ValueError) as err:
-        raise ValueError(f"{where}: the image cell is not valid base64 ({err}); store base64.b64encode(png_bytes)") from None
+        raise ValueError(
+            f"{where}: the image cell is not valid base64 ({err}); store base64.b64encode(png_bytes)"
+        ) from None
     decode_image(data, where)  # a broken image is this row's problem, not a later crash
     return data

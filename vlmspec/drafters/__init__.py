@@ -4,4 +4,12 @@ from vlmspec.drafters.base import NoDraft, PerRequestProposer, Proposer
 from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkProposer
 from vlmspec.drafters.prompt_lookup import PromptLookup
 
-__all__ = ["NoDraft", "PerRequestProposer", "Proposer", "PromptLookup", "DSparkConfig", "DSparkDrafter", "DSparkProposer"]
+__all__ = [
+    "NoDraft",
+    "PerRequestProposer",
+    "Proposer",
+    "PromptLookup",
+    "DSparkConfig",
+    "DSparkDrafter",
+    "DSparkProposer",
+]

@@ -242,12 +242,20 @@ class BatchSPSTable:
         object.__setattr__(self, "requests", tuple(self.requests))
         object.__setattr__(self, "curves", tuple(self.curves))
         if not self.requests or len(self.requests) != len(self.curves):
-            raise ValueError(f"invalid batch SPS table: {len(self.requests)} request counts for {len(self.curves)} curves")
-        if not all(_is_int(r) and r >= 1 for r in self.requests) or any(b <= a for a, b in zip(self.requests, self.requests[1:])):
-            raise ValueError(f"invalid batch SPS table: request counts must be increasing integers >= 1, got {list(self.requests)}")
+            raise ValueError(
+                f"invalid batch SPS table: {len(self.requests)} request counts for {len(self.curves)} curves"
+            )
+        if not all(_is_int(r) and r >= 1 for r in self.requests) or any(
+            b <= a for a, b in zip(self.requests, self.requests[1:])
+        ):
+            raise ValueError(
+                f"invalid batch SPS table: request counts must be increasing integers >= 1, got {list(self.requests)}"
+            )
         for r, curve in zip(self.requests, self.curves):
             if not isinstance(curve, SPSTable) or not curve.min_tokens <= r <= curve.max_tokens:
-                raise ValueError(f"invalid batch SPS table: the curve for {r} requests must cover B = {r} (its anchors)")
+                raise ValueError(
+                    f"invalid batch SPS table: the curve for {r} requests must cover B = {r} (its anchors)"
+                )
         object.__setattr__(self, "_by_requests", {})
 
     @property
@@ -278,19 +286,29 @@ class BatchSPSTable:
         low, high = self.curves[lo], self.curves[hi]
         weight = (num_requests - self.requests[lo]) / (self.requests[hi] - self.requests[lo])
         tokens = np.arange(num_requests, high.max_tokens + 1)  # [T]
-        step_time = [(1 - weight) / low.steps_per_second(np.clip(tokens, low.min_tokens, low.max_tokens)),
-                     weight / high.steps_per_second(np.clip(tokens, high.min_tokens, high.max_tokens))]  # fmt: skip
-        meta = dataclasses.replace(high.meta, notes=f"interpolated between {self.requests[lo]} and {self.requests[hi]} requests")
+        step_time = [
+            (1 - weight) / low.steps_per_second(np.clip(tokens, low.min_tokens, low.max_tokens)),
+            weight / high.steps_per_second(np.clip(tokens, high.min_tokens, high.max_tokens)),
+        ]
+        meta = dataclasses.replace(
+            high.meta, notes=f"interpolated between {self.requests[lo]} and {self.requests[hi]} requests"
+        )
         return SPSTable(tuple(int(t) for t in tokens), tuple(1.0 / (step_time[0] + step_time[1])), meta)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": BATCH_FORMAT, "version": VERSION, "requests": list(self.requests),
-                "curves": [curve.to_dict() for curve in self.curves]}  # fmt: skip
+        return {
+            "format": BATCH_FORMAT,
+            "version": VERSION,
+            "requests": list(self.requests),
+            "curves": [curve.to_dict() for curve in self.curves],
+        }
 
     @classmethod
     def from_dict(cls, data: Any, *, where: str = "batch SPS table") -> BatchSPSTable:
         if not isinstance(data, dict) or data.get("format") != BATCH_FORMAT or data.get("version") != VERSION:
-            raise ValueError(f"{where} is not a batch SPS table (format {BATCH_FORMAT!r}, version {VERSION}); {_REGENERATE}")
+            raise ValueError(
+                f"{where} is not a batch SPS table (format {BATCH_FORMAT!r}, version {VERSION}); {_REGENERATE}"
+            )
         if not isinstance(data.get("requests"), list) or not isinstance(data.get("curves"), list):
             raise ValueError(f"{where} needs the lists 'requests' and 'curves'; {_REGENERATE}")
         curves = [SPSTable.from_dict(curve, where=f"{where}, curve {i}") for i, curve in enumerate(data["curves"])]
@@ -310,7 +328,9 @@ def load_sps_table(path: str | Path) -> SPSTable | BatchSPSTable:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ValueError(f"no SPS table at {path}; create one with `vlmspec profile --target <target> --out {path}`") from None
+        raise ValueError(
+            f"no SPS table at {path}; create one with `vlmspec profile --target <target> --out {path}`"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not valid JSON ({err}); {_REGENERATE}") from None
     if isinstance(data, dict) and data.get("format") == BATCH_FORMAT:

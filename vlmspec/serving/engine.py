@@ -55,8 +55,18 @@ from vlmspec.targets.ragged import RaggedBatch
 from vlmspec.types import DraftBlock, GenerationResult, RoundRecord
 
 # add_request's keyword arguments, which generate_many accepts per request
-REQUEST_OPTIONS = ("images", "prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop",
-                   "request_id")  # fmt: skip
+REQUEST_OPTIONS = (
+    "images",
+    "prompt",
+    "messages",
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "stop",
+    "request_id",
+)
 
 
 @dataclass
@@ -170,9 +180,16 @@ class BatchEngine:
         if self._known(request_id):
             raise ValueError(f"request id {request_id!r} is already in use; pick another or let the engine choose")
         request = self.decoder.new_request(
-            eos_token_ids=self.target.eos_token_ids, tokenizer=self.target.tokenizer, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop, device=self.target.device,
-        )  # fmt: skip
+            eos_token_ids=self.target.eos_token_ids,
+            tokenizer=self.target.tokenizer,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+            device=self.target.device,
+        )
         inputs = self.target.build_inputs(images, prompt, messages=messages)
         self._waiting.append(_Entry(request_id, request, inputs, time.perf_counter()))
         return request_id

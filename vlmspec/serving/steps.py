@@ -157,8 +157,9 @@ class SpecDecoder:
     drafter built for another vocabulary.
     """
 
-    def __init__(self, proposer: Proposer | None = None, scheduler: Scheduler | None = None,
-                 *, vocab_size: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, proposer: Proposer | None = None, scheduler: Scheduler | None = None, *, vocab_size: int | None = None
+    ) -> None:
         self.proposer = proposer if proposer is not None else NoDraft()
         self.scheduler = scheduler if scheduler is not None else VerifyAll()
         if not isinstance(self.proposer, Proposer):
@@ -174,7 +175,9 @@ class SpecDecoder:
                 "and rename the method to propose_one"
             )
         if not isinstance(self.scheduler, Scheduler):
-            raise TypeError(f"{type(self.scheduler).__name__} does not implement the Scheduler protocol (vlmspec.scheduling)")
+            raise TypeError(
+                f"{type(self.scheduler).__name__} does not implement the Scheduler protocol (vlmspec.scheduling)"
+            )
         drafter_vocab = self.proposer.vocab_size
         if vocab_size is not None and drafter_vocab is not None and drafter_vocab != vocab_size:
             raise ValueError(
@@ -232,9 +235,11 @@ class SpecDecoder:
         """Drafts for every request in one proposer call: tokens [R, gamma], num_tokens [R], confidences [R, gamma]."""
         _check_running(requests)
         drafts = self.proposer.propose(
-            [r.draft_state for r in requests], [r.update for r in requests],
-            [r.params for r in requests], [r.generator for r in requests],
-        )  # fmt: skip
+            [r.draft_state for r in requests],
+            [r.update for r in requests],
+            [r.params for r in requests],
+            [r.generator for r in requests],
+        )
         if drafts.tokens.dim() != 2 or drafts.tokens.shape[0] != len(requests):
             raise ValueError(
                 f"{type(self.proposer).__name__}.propose returned tokens of shape {tuple(drafts.tokens.shape)} "
@@ -260,7 +265,9 @@ class SpecDecoder:
         if room is not None:
             room = torch.as_tensor(room, dtype=torch.long).cpu()
             if room.shape != limit.shape:
-                raise ValueError(f"room must hold one count per request ([{len(requests)}]), got shape {tuple(room.shape)}")
+                raise ValueError(
+                    f"room must hold one count per request ([{len(requests)}]), got shape {tuple(room.shape)}"
+                )
             limit = torch.minimum(limit, room.clamp(min=0))
         drafted = drafts.num_tokens.cpu()
         schedulable = torch.minimum(drafted, limit)  # [R]
@@ -300,7 +307,9 @@ class SpecDecoder:
                 f"got {tuple(logits.shape)}"
             )
         if features is not None and tuple(features.shape[:2]) != (len(requests), width):
-            raise ValueError(f"features must be [R, 1 + w, m * d] = [{len(requests)}, {width}, ...], got {tuple(features.shape)}")
+            raise ValueError(
+                f"features must be [R, 1 + w, m * d] = [{len(requests)}, {width}, ...], got {tuple(features.shape)}"
+            )
         block = _on(plan.block, logits.device)
         result = verify_rows(block, logits, [r.params for r in requests], [r.generator for r in requests])
         num_accepted, next_tokens = result.num_accepted.cpu(), result.next_tokens.cpu()
@@ -310,8 +319,15 @@ class SpecDecoder:
         ]
         return Acceptance(num_accepted, next_tokens, keep=num_accepted + 1, records=records)
 
-    def _commit(self, request: SpecRequest, plan: VerifyPlan, row: int, accepted: int, next_token: int,
-                features: torch.Tensor | None) -> RoundRecord:  # fmt: skip
+    def _commit(
+        self,
+        request: SpecRequest,
+        plan: VerifyPlan,
+        row: int,
+        accepted: int,
+        next_token: int,
+        features: torch.Tensor | None,
+    ) -> RoundRecord:
         """Commit one request's round; a failure here ends only this request (finish_reason "error")."""
         drafted, verified = int(plan.drafts.num_tokens[row]), int(plan.block.num_tokens[row])
         committed: list[int] = []

@@ -33,7 +33,12 @@ from vlmspec.targets.processor import load_processor
 from vlmspec.types import PrefillOutput
 
 # model_type -> family name used across vlmspec
-SUPPORTED_MODEL_TYPES = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl"}
+SUPPORTED_MODEL_TYPES = {
+    "qwen2_vl": "qwen2_vl",
+    "qwen2_5_vl": "qwen2_5_vl",
+    "qwen3_vl": "qwen3_vl",
+    "qwen3_vl_moe": "qwen3_vl",
+}
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -113,7 +118,9 @@ class QwenVLTarget:
                 f"{str(path)!r} holds a {config.model_type!r} model; vlmspec supports {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         if attn_implementation not in ATTENTION_IMPLEMENTATIONS:
-            raise ValueError(f"attn_implementation must be one of {ATTENTION_IMPLEMENTATIONS}, got {attn_implementation!r}")
+            raise ValueError(
+                f"attn_implementation must be one of {ATTENTION_IMPLEMENTATIONS}, got {attn_implementation!r}"
+            )
         if attn_implementation == "flash_attention_2":
             try:
                 import flash_attn  # noqa: F401
@@ -310,8 +317,13 @@ class QwenVLTarget:
         positions_1d = self._positions_1d(inputs, mrope, position_rule)
         kwargs = {k: v for k, v in inputs.model_kwargs.items() if k not in ("input_ids", "attention_mask")}
         with self._capture([*layers], final_norm=True) as captured:
-            self.model(input_ids=inputs.input_ids, position_ids=self._with_text_row(mrope, 0),
-                       use_cache=False, logits_to_keep=1, **kwargs)  # fmt: skip
+            self.model(
+                input_ids=inputs.input_ids,
+                position_ids=self._with_text_row(mrope, 0),
+                use_cache=False,
+                logits_to_keep=1,
+                **kwargs,
+            )
         features = torch.cat([captured[i][0] for i in layers], dim=-1) if layers else None
         return features, captured["norm"][0], positions_1d
 

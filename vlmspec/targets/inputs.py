@@ -26,7 +26,9 @@ class TargetInputs:
     """Processor output for one request, ready for a prefill."""
 
     input_ids: torch.Tensor  # [1, L] int64
-    model_kwargs: dict[str, torch.Tensor]  # input_ids, attention_mask, pixel_values, image_grid_thw, mm_token_type_ids ...
+    model_kwargs: dict[
+        str, torch.Tensor
+    ]  # input_ids, attention_mask, pixel_values, image_grid_thw, mm_token_type_ids ...
     num_images: int
 
     @property
@@ -41,7 +43,9 @@ def load_image(image: ImageLike) -> Image.Image:
     if isinstance(image, (str, os.PathLike)):
         path = Path(image)
         if not path.is_file():
-            raise FileNotFoundError(f"image file not found: {str(path)!r}; pass an existing path, a PIL image or an array")
+            raise FileNotFoundError(
+                f"image file not found: {str(path)!r}; pass an existing path, a PIL image or an array"
+            )
         return _decode(path.read_bytes(), f"file {str(path)!r}")
     if isinstance(image, (bytes, bytearray)):
         return _decode(bytes(image), "the given bytes")
@@ -89,7 +93,9 @@ def _decode(data: bytes, what: str) -> Image.Image:
         with Image.open(io.BytesIO(data)) as image:
             return image.convert("RGB")
     except (UnidentifiedImageError, OSError) as err:
-        raise ValueError(f"{what} is not a readable image ({err}); pass a PNG/JPEG file, a PIL image or an array") from None
+        raise ValueError(
+            f"{what} is not a readable image ({err}); pass a PNG/JPEG file, a PIL image or an array"
+        ) from None
 
 
 def _from_array(array: np.ndarray) -> Image.Image:

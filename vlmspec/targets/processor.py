@@ -56,9 +56,14 @@ def load_processor(path: str | os.PathLike, model_type: str):
     path = Path(path)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
-    processor_class = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor}.get(model_type, Qwen3VLProcessor)
+    processor_class = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor}.get(
+        model_type, Qwen3VLProcessor
+    )
     return processor_class(
-        image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=_chat_template(path, tokenizer)
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=None,
+        chat_template=_chat_template(path, tokenizer),
     )
 
 

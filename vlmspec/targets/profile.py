@@ -44,8 +44,9 @@ def profile_target(
         target.verify(state, probe[:n])
         target.rollback(state, keep=0)
 
-    return profile_forward(forward, max_tokens, **_description(target), context_length=context_length,
-                           warmup=warmup, repeats=repeats)  # fmt: skip
+    return profile_forward(
+        forward, max_tokens, **_description(target), context_length=context_length, warmup=warmup, repeats=repeats
+    )
 
 
 def profile_target_batched(
@@ -71,7 +72,9 @@ def profile_target_batched(
     if not isinstance(gamma, int) or gamma < 0:
         raise ValueError(f"gamma must be an integer >= 0 (drafts per request), got {gamma!r}")
     if not 1 <= context_length < target.max_context - gamma - 1:
-        raise ValueError(f"context_length must lie in [1, {target.max_context - gamma - 1}) for this model, got {context_length}")
+        raise ValueError(
+            f"context_length must lie in [1, {target.max_context - gamma - 1}) for this model, got {context_length}"
+        )
     ids = filler_ids(target, context_length)
     state, _ = target.prefill(TargetInputs(ids, {"input_ids": ids}, num_images=0))
     probe = ids[0, : 1 + gamma].cpu()
@@ -86,9 +89,17 @@ def profile_target_batched(
             batch.verify(probe[: int(per_row.max())].expand(rows, -1), per_row)
             batch.advance(torch.zeros(rows, dtype=torch.long))
 
-        curves.append(profile_forward(forward, num_requests * (1 + gamma), **_description(target),
-                                      context_length=context_length, warmup=warmup, repeats=repeats,
-                                      token_counts=_token_counts(num_requests, gamma, points)))  # fmt: skip
+        curves.append(
+            profile_forward(
+                forward,
+                num_requests * (1 + gamma),
+                **_description(target),
+                context_length=context_length,
+                warmup=warmup,
+                repeats=repeats,
+                token_counts=_token_counts(num_requests, gamma, points),
+            )
+        )
     return BatchSPSTable(tuple(counts), tuple(curves))
 
 
@@ -114,8 +125,12 @@ def _description(target: QwenVLTarget) -> dict:
         model=target.name,
         device=str(target.device),
         dtype=str(target.dtype).removeprefix("torch."),
-        model_config={"family": target.family, "hidden_size": config.hidden_size,
-                      "num_layers": target.num_layers, "vocab_size": target.vocab_size},  # fmt: skip
+        model_config={
+            "family": target.family,
+            "hidden_size": config.hidden_size,
+            "num_layers": target.num_layers,
+            "vocab_size": target.vocab_size,
+        },
     )
 
 

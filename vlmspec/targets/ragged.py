@@ -183,18 +183,24 @@ class RaggedBatch:
         if self._pending is None:
             raise RuntimeError("advance() needs a verify() first (and no rows added or removed in between)")
         if keep.shape != self._pending.shape or bool(((keep < 0) | (keep > self._pending)).any()):
-            raise ValueError(f"keep must be [R] with 0 <= keep[r] <= num_tokens[r] = {self._pending.tolist()}, got {keep.tolist()}")
+            raise ValueError(
+                f"keep must be [R] with 0 <= keep[r] <= num_tokens[r] = {self._pending.tolist()}, got {keep.tolist()}"
+            )
         self.lengths = self.lengths + keep
         self._pending = None
 
     # ------------------------------------------------------------ internals
     def _check_inputs(self, tokens: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:  # [R, W], [R] -> [R] CPU
         if tokens.dim() != 2 or tokens.shape[0] != self.num_rows or tokens.dtype.is_floating_point:
-            raise ValueError(f"tokens must be an integer tensor [R, W] with R = {self.num_rows} rows, got "
-                             f"{tuple(tokens.shape)} {tokens.dtype}")  # fmt: skip
+            raise ValueError(
+                f"tokens must be an integer tensor [R, W] with R = {self.num_rows} rows, got "
+                f"{tuple(tokens.shape)} {tokens.dtype}"
+            )
         num_tokens = torch.as_tensor(num_tokens, dtype=torch.long).cpu()
         if num_tokens.shape != (self.num_rows,) or bool(((num_tokens < 0) | (num_tokens > tokens.shape[1])).any()):
-            raise ValueError(f"num_tokens must be [R] = [{self.num_rows}] counts in 0..{tokens.shape[1]}, got {num_tokens.tolist()}")
+            raise ValueError(
+                f"num_tokens must be [R] = [{self.num_rows}] counts in 0..{tokens.shape[1]}, got {num_tokens.tolist()}"
+            )
         too_long = self.lengths + num_tokens > self.target.max_context
         if bool(too_long.any()):
             rows = torch.nonzero(too_long).flatten().tolist()

@@ -18,12 +18,33 @@ FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 # Qwen special tokens in id order, starting at 151643 (<|endoftext|>).
 QWEN_SPECIAL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
-    "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
-    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
-)  # fmt: skip
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+)
 QWEN_VOCAB_SIZE = 151643 + len(QWEN_SPECIAL_TOKENS)  # 151669; ids from here on are unused
 IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = 151655, 151656
 VISION_START_ID, VISION_END_ID = 151652, 151653
@@ -89,7 +110,9 @@ def tiny_processor(family: str, tokenizer=None):
     image_processor = _image_processor_class()(
         patch_size=patch, merge_size=2, temporal_patch_size=2, min_pixels=(2 * unit) ** 2, max_pixels=(8 * unit) ** 2
     )
-    processor_class = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[family]
+    processor_class = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[
+        family
+    ]
     return processor_class(
         image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=QWEN_VL_CHAT_TEMPLATE
     )
@@ -114,26 +137,62 @@ def tiny_config(family: str, *, hidden_size: int = 64, num_layers: int = 4, voca
     mrope = [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8]
     rope = {"rope_type": "default", "mrope_section": mrope, "rope_theta": 10000.0}
     text = dict(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1),
-        max_position_embeddings=2048, rms_norm_eps=1e-6, rope_parameters=rope,
-    )  # fmt: skip
-    ids = dict(image_token_id=IMAGE_TOKEN_ID, video_token_id=VIDEO_TOKEN_ID,
-               vision_start_token_id=VISION_START_ID, vision_end_token_id=VISION_END_ID)  # fmt: skip
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 2, 1),
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_parameters=rope,
+    )
+    ids = dict(
+        image_token_id=IMAGE_TOKEN_ID,
+        video_token_id=VIDEO_TOKEN_ID,
+        vision_start_token_id=VISION_START_ID,
+        vision_end_token_id=VISION_END_ID,
+    )
     if family == "qwen2_vl":
-        vision = dict(depth=1, embed_dim=32, hidden_size=hidden_size, num_heads=2, mlp_ratio=2,
-                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
+        vision = dict(
+            depth=1,
+            embed_dim=32,
+            hidden_size=hidden_size,
+            num_heads=2,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        )
         return Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
     if family == "qwen2_5_vl":
-        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size,
-                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-                      fullatt_block_indexes=[0])  # fmt: skip
+        vision = dict(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=hidden_size,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=56,
+            fullatt_block_indexes=[0],
+        )
         return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
     text.update(head_dim=head_dim)
     text["rope_parameters"] = {**rope, "mrope_interleaved": True}
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size,
-                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0],
-                  num_position_embeddings=64)  # fmt: skip
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=hidden_size,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        deepstack_visual_indexes=[0],
+        num_position_embeddings=64,
+    )
     return Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
 
 

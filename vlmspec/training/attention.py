@@ -96,11 +96,16 @@ def checked_flex(drafter: DSparkDrafter, batch: PackedBatch, context_window: int
             flex = packed_hidden(drafter, batch, "flex", context_window)
             dense = packed_hidden(drafter, batch, "sdpa", context_window)
     except Exception as err:  # noqa: BLE001 - compilation failures come in many exception types
-        warnings.warn(f"flex_attention failed here ({type(err).__name__}: {err}); training uses SDPA with a dense mask", stacklevel=2)
+        warnings.warn(
+            f"flex_attention failed here ({type(err).__name__}: {err}); training uses SDPA with a dense mask",
+            stacklevel=2,
+        )
         return "sdpa"
     if not torch.allclose(flex.float(), dense.float(), atol=1e-3, rtol=1e-3):
         error = float((flex.float() - dense.float()).abs().max())
-        warnings.warn(f"flex_attention disagrees with SDPA here (max error {error:.2e}); training uses SDPA", stacklevel=2)
+        warnings.warn(
+            f"flex_attention disagrees with SDPA here (max error {error:.2e}); training uses SDPA", stacklevel=2
+        )
         return "sdpa"
     return "flex"
 

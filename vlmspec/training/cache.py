@@ -129,8 +129,15 @@ class CacheSpec:
         if not problems and not np.allclose(*samples, rtol=2e-2, atol=1e-3):  # tolerant of bf16 vs fp32 loads
             names = mine["target"]["name"], theirs["target"]["name"]
             problems.append(f"target weights differ (cache built with {names[0]!r}, now {names[1]!r})")
-        settings = ("feature_layers", "position_rule", "dtype", "generation", "anchors_per_sequence", "context_window",
-                    "block_size")  # fmt: skip
+        settings = (
+            "feature_layers",
+            "position_rule",
+            "dtype",
+            "generation",
+            "anchors_per_sequence",
+            "context_window",
+            "block_size",
+        )
         for key in settings:
             if mine[key] != theirs[key]:
                 problems.append(f"{key}: cache {mine[key]!r}, now {theirs[key]!r}")
@@ -267,8 +274,12 @@ class ShardWriter:
     def _meta(self) -> dict[str, Any]:
         entries, offsets = [], dict.fromkeys(("tokens", "features", "hidden", "anchors"), 0)
         for s in self.sequences:
-            sizes = {"tokens": s.length, "features": s.features.shape[0], "hidden": s.last_hidden.shape[0],
-                     "anchors": s.anchors.numel()}  # fmt: skip
+            sizes = {
+                "tokens": s.length,
+                "features": s.features.shape[0],
+                "hidden": s.last_hidden.shape[0],
+                "anchors": s.anchors.numel(),
+            }
             entry = {"id": s.id, "bytes": s.num_bytes}
             for key, size in sizes.items():
                 entry[key] = [offsets[key], offsets[key] + size]
@@ -452,7 +463,9 @@ def build_cache(
     writer = ShardWriter(directory, f"r{rank}")
     empty: list[str] = []
     todo.sort(key=_size_hint)
-    bar = tqdm(total=len(todo), desc=f"target cache [{rank}]", unit="prompt", disable=not show_progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=len(todo), desc=f"target cache [{rank}]", unit="prompt", disable=not show_progress, dynamic_ncols=True
+    )
     for first in range(0, len(todo), batch_size):
         batch = todo[first : first + batch_size]
         by_item: dict[str, list[RegeneratedSequence]] = {}
@@ -514,9 +527,14 @@ def finalize_cache(directory: str | Path) -> dict[str, Any]:
     (directory / INDEX).write_text(json.dumps({"shards": shards}) + "\n")
     manifest.update(
         complete=True,
-        counts={"sequences": sequences, "tokens": tokens, "bytes": total, "bytes_per_sequence": total / sequences,
-                "shards": len(shards)},
-    )  # fmt: skip
+        counts={
+            "sequences": sequences,
+            "tokens": tokens,
+            "bytes": total,
+            "bytes_per_sequence": total / sequences,
+            "shards": len(shards),
+        },
+    )
     _write_manifest(directory, manifest)
     return manifest
 
@@ -562,4 +580,3 @@ def estimate_cache_size(
         rows = spec.anchors_per_sequence * (spec.context_window + spec.block_size)
         stored = min(stored, turns * rows * per_token + tokens * 9)
     return CacheEstimate(turns, tokens, per_token, int(stored))
-

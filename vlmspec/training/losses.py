@@ -158,4 +158,3 @@ def reduce_terms(terms: PositionTerms, valid: torch.Tensor, weights: LossWeights
         greedy_tau=(greedy * full).sum(),
         full_blocks=full.sum().float(),
     )
-

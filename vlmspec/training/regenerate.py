@@ -176,7 +176,9 @@ def decode_answers(
     ]
 
 
-def _sequence(target, inputs: TargetInputs, sequence_id: str, answer, features, positions, hidden) -> RegeneratedSequence:
+def _sequence(
+    target, inputs: TargetInputs, sequence_id: str, answer, features, positions, hidden
+) -> RegeneratedSequence:
     last_position = positions[-1][-1:] + 1  # the last answer token was never fed to the target
     return RegeneratedSequence(
         id=sequence_id,

@@ -138,9 +138,13 @@ class DraftLossModule(nn.Module):
         hidden = packed_hidden(self.drafter, batch, self.attention, self.context_window)  # [B, A, G, d]
         keep = batch.valid[..., 0]  # [B, A] blocks with a supervised position
         terms = block_terms(
-            self.drafter, hidden[keep], batch.prev_tokens[keep], batch.labels[keep], batch.target_hidden[keep],
+            self.drafter,
+            hidden[keep],
+            batch.prev_tokens[keep],
+            batch.labels[keep],
+            batch.target_hidden[keep],
             self.chunk_tokens,
-        )  # fmt: skip
+        )
         sums = reduce_terms(terms, batch.valid[keep], self.weights)
         return {f.name: getattr(sums, f.name) for f in fields(sums)}  # a dict: DDP finds the tensors
 
@@ -242,8 +246,9 @@ class Trainer:
         config = self.config
         order = torch.randperm(len(cache), generator=torch.Generator().manual_seed(config.seed)).tolist()
         held = min(config.eval_sequences, len(cache) // 5)  # never more than a fifth of the cache
-        options = dict(num_anchors=config.num_anchors, block_size=self.drafter.block_size,
-                       context_window=config.context_window)  # fmt: skip
+        options = dict(
+            num_anchors=config.num_anchors, block_size=self.drafter.block_size, context_window=config.context_window
+        )
         train = PackedDataset(cache, sorted(order[held:]), seed=config.seed, **options)
         evaluation = PackedDataset(cache, sorted(order[:held]), seed=config.seed + 1, **options) if held else None
         return train, evaluation
@@ -269,8 +274,14 @@ class Trainer:
             self.load_checkpoint(resume_from)
         accelerator, config = self.accelerator, self.config
         stop = config.steps if until is None else min(until, config.steps)
-        bar = tqdm(total=config.steps, initial=self.state.step, desc="train drafter", unit="step",
-                   disable=not accelerator.is_main_process, dynamic_ncols=True)  # fmt: skip
+        bar = tqdm(
+            total=config.steps,
+            initial=self.state.step,
+            desc="train drafter",
+            unit="step",
+            disable=not accelerator.is_main_process,
+            dynamic_ncols=True,
+        )
         self._window, self._losses = _Window(), []
         while self.state.step < stop:
             tick = time.perf_counter()  # training time includes loading batches, not evaluations or checkpoints
@@ -344,8 +355,11 @@ class Trainer:
         if step % config.log_every == 0 or step == config.steps:
             record = self._log_train(self._window)
             self._losses.append(record["loss"])
-            bar.set_postfix(loss=f"{record['loss']:.3f}", exp_tau=f"{record['expected_tau']:.2f}",
-                            blocks_s=f"{record['blocks_per_s']:.1f}")  # fmt: skip
+            bar.set_postfix(
+                loss=f"{record['loss']:.3f}",
+                exp_tau=f"{record['expected_tau']:.2f}",
+                blocks_s=f"{record['blocks_per_s']:.1f}",
+            )
             self._window = _Window()
         if config.eval_every and step % config.eval_every == 0 and step < config.steps:
             self.evaluate()
@@ -364,8 +378,13 @@ class Trainer:
         for batch in self.eval_loader:
             total.add(_detached(LossSums(**self.module(batch))), self.config.loss)
         self.module.train()
-        record = {"step": self.state.step, "split": "eval", "train_blocks": self.state.blocks,
-                  "train_seconds": self.state.train_seconds, **total.summary(self.accelerator)}  # fmt: skip
+        record = {
+            "step": self.state.step,
+            "split": "eval",
+            "train_blocks": self.state.blocks,
+            "train_seconds": self.state.train_seconds,
+            **total.summary(self.accelerator),
+        }
         self._write_metrics(record)
         return record
 

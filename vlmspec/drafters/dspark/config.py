@@ -71,8 +71,18 @@ class DSparkConfig:
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
         """Check the config on its own (the target is checked by :meth:`check_target`)."""
-        positive = ("target_hidden_size", "target_vocab_size", "hidden_size", "num_layers", "num_heads",
-                    "num_kv_heads", "head_dim", "intermediate_size", "block_size", "head_rank")  # fmt: skip
+        positive = (
+            "target_hidden_size",
+            "target_vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "block_size",
+            "head_rank",
+        )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

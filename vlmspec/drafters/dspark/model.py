@@ -67,7 +67,9 @@ class DraftSample:
 
     tokens: torch.Tensor  # [B, G] int64 target ids
     logits: torch.Tensor  # [B, G, N] float32 corrected logits over the draft vocabulary (before temperature)
-    probs: torch.Tensor | None  # [B, G, V] float32 distributions drawn from, over the whole vocabulary; None when greedy
+    probs: (
+        torch.Tensor | None
+    )  # [B, G, V] float32 distributions drawn from, over the whole vocabulary; None when greedy
     confidences: torch.Tensor | None  # [B, G] float32 conditional survival probabilities
 
 
@@ -267,8 +269,14 @@ class DSparkDrafter(nn.Module):
         head, ids = self.vocabulary.lm_head, self.draft_token_ids
         weight, bias = head.weight, head.bias
         # Inference-mode tensors cannot enter autograd: rows cut while drafting are cut again for training.
-        key = (ids.data_ptr(), ids._version, weight.data_ptr(), weight.dtype, weight.device,
-               torch.is_inference_mode_enabled())  # fmt: skip
+        key = (
+            ids.data_ptr(),
+            ids._version,
+            weight.data_ptr(),
+            weight.dtype,
+            weight.device,
+            torch.is_inference_mode_enabled(),
+        )
         if self._head_rows is None or self._head_rows[0] != key:
             full = self.config.draft_vocab_size is None
             rows = weight if full else weight[ids]

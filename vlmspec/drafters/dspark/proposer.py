@@ -124,7 +124,9 @@ class DSparkProposer:
             )
         return features
 
-    def _absorb(self, states: Sequence[DSparkState], updates: Sequence[ContextUpdate], features: list[torch.Tensor]) -> ContextKV:
+    def _absorb(
+        self, states: Sequence[DSparkState], updates: Sequence[ContextUpdate], features: list[torch.Tensor]
+    ) -> ContextKV:
         """Project every request's new span in one packed pass and append each part to its own cache.
 
         Returns the packed spans, per layer [1, Hkv, sum n, hd] (request after request).
@@ -160,7 +162,9 @@ class DSparkProposer:
         mask = torch.cat((visible, visible.new_ones(len(states), block)), dim=1)  # [R, Lmax + G]
         return layers, mask[:, None, None, :].expand(-1, 1, block, -1)
 
-    def _padded_contexts(self, states: Sequence[DSparkState], spans: ContextKV, span_lengths: list[int]) -> _PaddedContexts:
+    def _padded_contexts(
+        self, states: Sequence[DSparkState], spans: ContextKV, span_lengths: list[int]
+    ) -> _PaddedContexts:
         """The padded contexts of ``states`` after this call's spans: the kept ones extended, or rebuilt."""
         kept = self._padded
         lengths = torch.tensor([len(state.cache) for state in states], device=self.device)  # [R]
@@ -169,7 +173,11 @@ class DSparkProposer:
         # Extend in place only if nothing reached these caches since (e.g. a request proposed for alone).
         if same and torch.equal(kept.lengths + sizes, lengths) and int(lengths.max()) <= kept.layers[0][0].shape[2]:
             rows = torch.repeat_interleave(torch.arange(len(states), device=self.device), sizes)  # [sum n]
-            slots = torch.arange(rows.shape[0], device=self.device) - (torch.cumsum(sizes, 0) - sizes)[rows] + kept.lengths[rows]
+            slots = (
+                torch.arange(rows.shape[0], device=self.device)
+                - (torch.cumsum(sizes, 0) - sizes)[rows]
+                + kept.lengths[rows]
+            )
             for (keys, values), (k, v) in zip(kept.layers, spans):
                 keys[rows, :, slots] = k[0].transpose(0, 1)  # [sum n, Hkv, hd]
                 values[rows, :, slots] = v[0].transpose(0, 1)
