@@ -87,6 +87,8 @@ def _add_demo(commands) -> None:
         "'prompt-lookup' or a DSpark drafter directory",
     )
     _scheduler_options(p)
+    # The reference pair verifies a draft only when it pays on this CPU (an 8-token forward costs ~2 steps).
+    p.set_defaults(scheduler="sps")
     p.add_argument("--image", default=None, help="an image file (default: a held-out easy-vqa test image)")
     p.add_argument("--prompt", default=DEMO_PROMPT, help="the first question about the image")
     p.add_argument(
@@ -112,7 +114,8 @@ def _run_demo(args) -> int:
     from vlmspec.scheduling.factory import build_scheduler
 
     image = _open_image(args.image) if args.image else demo_image()
-    scheduler = build_scheduler(args.scheduler, threshold=args.threshold, sps=args.sps)
+    options = _reference_defaults(args)  # may fall back to scheduler "none": read args.scheduler after it
+    scheduler = build_scheduler(args.scheduler, threshold=args.threshold, **options)
     engine = SpecEngine.from_pretrained(args.target, drafter=args.drafter, scheduler=scheduler, dtype=args.dtype)
     print(f"target: {args.target}   drafter: {args.drafter}   scheduler: {args.scheduler}   dtype: {args.dtype}\n")
     requests = [(image, args.prompt)] + ([(None, args.text_prompt)] if args.text_prompt else [])
@@ -128,6 +131,24 @@ def _run_demo(args) -> int:
         print("ERROR: the speculative output differs from the target alone", file=sys.stderr)
         return 1
     return 0
+
+
+def _reference_defaults(args) -> dict:
+    """The SPS table and calibration for the demo's scheduler: the ones measured for the reference pair, unless given.
+
+    With another target and no ``--sps``, a hardware-aware scheduler falls back to verifying every draft.
+    """
+    from vlmspec.reference import REFERENCE_DRAFTERS, reference_drafter_dir, reference_sps_table
+
+    needs_table = args.scheduler in ("sps", "prefix", "lagged-topk")
+    if needs_table and args.sps is None and args.target != "reference":
+        print(f"note: no --sps table for {args.target}: verifying every draft (scheduler none)", file=sys.stderr)
+        args.scheduler = "none"
+        return {}
+    options = {"sps": args.sps or (reference_sps_table() if needs_table else None)}
+    if needs_table and args.drafter in REFERENCE_DRAFTERS:
+        options["calibration"] = reference_drafter_dir(args.drafter)
+    return options
 
 
 def _overall(pairs) -> str:

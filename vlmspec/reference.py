@@ -157,6 +157,18 @@ def reference_assets_dir(path: str | os.PathLike | None = None) -> Path:
 REFERENCE_DRAFTERS = {"reference": "dspark", "reference-dflash": "dflash"}
 
 
+def reference_sps_table() -> Path:
+    """The reference target's SPS curve (float32, 2 CPU threads, context 256), measured with ``vlmspec profile``.
+
+    The demo's SPS scheduler reads it. Another machine has another curve: measure your own with
+    ``vlmspec profile --target reference --max-tokens 8 --out sps.json`` and pass ``--sps sps.json``.
+    """
+    path = Path(__file__).resolve().parent / "assets" / "reference-drafter" / "sps-cpu-float32.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"the reference SPS table is missing from {path}; it ships with the vlmspec repository")
+    return path
+
+
 def reference_drafter_dir(name: str = "reference") -> Path:
     """The committed drafter ``name`` ("reference" or "reference-dflash") for the reference target."""
     if name not in REFERENCE_DRAFTERS:

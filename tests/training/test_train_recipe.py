@@ -24,13 +24,18 @@ from vlmspec.engine import SpecEngine
 from vlmspec.scheduling.calibration import Calibration
 
 RECIPE = Path(__file__).parents[2] / "recipes" / "train_qwen3vl.py"
+LEARNING_CURVE = Path(__file__).parents[2] / "recipes" / "learning_curve.py"
 
 
-def load_recipe():
-    spec = importlib.util.spec_from_file_location("train_qwen3vl", RECIPE)
+def load_script(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_recipe():
+    return load_script(RECIPE)
 
 
 SMOKE = [
@@ -73,7 +78,11 @@ SMOKE = [
     "--warmup-ratio",
     "0.1",
     "--eval-every",
-    "0",
+    "30",
+    "--draft-vocab",
+    "4000",
+    "--regen-batch-size",
+    "8",
     "--save-every",
     "0",
     "--eval-sequences",
@@ -107,6 +116,14 @@ def test_recipe_smoke_run_trains_a_drafter_that_beats_the_untrained_one(target, 
     assert engine.generate(None, "What is 2 + 3?", max_new_tokens=8).token_ids == alone.token_ids
     saved = json.loads((out / "report.json").read_text())
     assert saved["trained"]["tau"] == trained["tau"] and saved["cache"]["sequences"] == 24
+    # the reduced draft vocabulary: the most frequent answer ids, EOS included, stored with the drafter
+    assert report["draft_vocabulary"]["size"] == 4000 and report["draft_vocabulary"]["answer_token_coverage"] > 0.99
+    assert set(target.eos_token_ids) <= set(engine.proposer.drafter.draft_token_ids.tolist())
+    # the learning curve of the run: evaluations at steps 30 and 60
+    curve = load_script(LEARNING_CURVE).main(["--run", str(out), "--out", str(tmp_path / "curve")])["run"]
+    assert curve["steps"] == [30, 60] and curve["train_tokens"][0] < curve["train_tokens"][1]
+    assert len(curve["top1_by_position"][0]) == 4 and curve["heldout_free_running"]["tau"] == trained["tau"]
+    assert {p.name for p in (tmp_path / "curve").iterdir()} >= {"learning_curve.json", "learning_curve_tau.png"}
     # running again reuses the cache and resumes from the final checkpoint: nothing to redo
     again = recipe.main([*SMOKE, "--out", str(out), "--skip-untrained-eval"], target=target)
     assert again["cache"]["regenerated_prompts"] == 0 and again["training"]["steps"] == 60
