@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from benchmarks.concurrency import main
+
+# A prompt set inside the repository: the default one lives beside the checkout (../shared).
+MT_BENCH_MINI = Path(__file__).parents[1] / "fixtures" / "mt-bench-mini.jsonl"
 
 
 def test_a_tiny_concurrency_run_writes_every_output_and_stays_lossless(tmp_path):
@@ -26,6 +30,8 @@ def test_a_tiny_concurrency_run_writes_every_output_and_stays_lossless(tmp_path)
         "16",
         "--profile-repeats",
         "1",
+        "--prompt-set",
+        str(MT_BENCH_MINI),
         "--out",
         str(out),
     ]
