@@ -42,6 +42,28 @@ def test_greedy_on_the_confined_target_accepts_drafts_and_stays_exact(confined_t
     assert spec.stats.accepted > 0  # the acceptance path ran
 
 
+def scale_up_head(drafter: DSparkDrafter) -> None:
+    """Random head weights of std 0.5, so that the head's bias visibly shapes ``draft_probs``."""
+    with torch.no_grad():
+        for p in drafter.head.parameters():
+            p.normal_(0.0, 0.5)
+
+
+def assert_first_tokens_follow(joint: dict, engine: SpecEngine, image, runs: int = 250) -> None:
+    """``runs`` seeded generations at temperature 1: the first three tokens fit ``joint`` (chi-square p > 1e-3)."""
+    index = {seq: i for i, seq in enumerate(joint)}
+    counts = torch.zeros(len(joint), dtype=torch.float64)
+    accepted = verified = 0
+    for seed in range(runs):
+        result = engine.generate(image, PROMPT, max_new_tokens=3, temperature=1.0, seed=seed)
+        counts[index[tuple(result.token_ids)]] += 1
+        accepted += result.stats.accepted
+        verified += result.stats.verified
+    assert 0 < accepted < verified, "both accepted and rejected drafts must occur for the test to bite"
+    expected = runs * torch.tensor(list(joint.values()), dtype=torch.float64)
+    assert chi_square_p_value(counts, expected) > 1e-3
+
+
 def test_sampling_with_an_untrained_drafter_follows_the_target_distribution(confined_target, astronaut):
     """250 seeded generations at temperature 1: the first three tokens fit the exact joint (p > 1e-3).
 
@@ -53,22 +75,8 @@ def test_sampling_with_an_untrained_drafter_follows_the_target_distribution(conf
     joint = exact_first_tokens(confined_target, astronaut, params)
     assert abs(sum(joint.values()) - 1.0) < 1e-4  # the bias really confines the target to SUPPORT
     drafter = untrained_drafter(confined_target, block_size=3)
-    with torch.no_grad():
-        for p in drafter.head.parameters():
-            p.normal_(0.0, 0.5)
-    engine = SpecEngine(confined_target, drafter.proposer())
-    index = {seq: i for i, seq in enumerate(joint)}
-    counts = torch.zeros(len(joint), dtype=torch.float64)
-    accepted = verified = 0
-    runs = 250
-    for seed in range(runs):
-        result = engine.generate(astronaut, PROMPT, max_new_tokens=3, temperature=1.0, seed=seed)
-        counts[index[tuple(result.token_ids)]] += 1
-        accepted += result.stats.accepted
-        verified += result.stats.verified
-    assert 0 < accepted < verified, "both accepted and rejected drafts must occur for the test to bite"
-    expected = runs * torch.tensor(list(joint.values()), dtype=torch.float64)
-    assert chi_square_p_value(counts, expected) > 1e-3
+    scale_up_head(drafter)
+    assert_first_tokens_follow(joint, SpecEngine(confined_target, drafter.proposer()), astronaut)
 
 
 def reduced_vocabulary_drafter(target, ids, **overrides) -> DSparkDrafter:
@@ -97,19 +105,5 @@ def test_sampling_with_a_reduced_draft_vocabulary_follows_the_target_distributio
     params = SamplingParams(temperature=1.0)
     joint = exact_first_tokens(confined_target, astronaut, params)
     drafter = reduced_vocabulary_drafter(confined_target, [*SUPPORT[:3], 11, 12], block_size=3)
-    with torch.no_grad():
-        for p in drafter.head.parameters():
-            p.normal_(0.0, 0.5)
-    engine = SpecEngine(confined_target, drafter.proposer())
-    index = {seq: i for i, seq in enumerate(joint)}
-    counts = torch.zeros(len(joint), dtype=torch.float64)
-    accepted = verified = 0
-    runs = 250
-    for seed in range(runs):
-        result = engine.generate(astronaut, PROMPT, max_new_tokens=3, temperature=1.0, seed=seed)
-        counts[index[tuple(result.token_ids)]] += 1
-        accepted += result.stats.accepted
-        verified += result.stats.verified
-    assert 0 < accepted < verified, "both accepted and rejected drafts must occur for the test to bite"
-    expected = runs * torch.tensor(list(joint.values()), dtype=torch.float64)
-    assert chi_square_p_value(counts, expected) > 1e-3
+    scale_up_head(drafter)
+    assert_first_tokens_follow(joint, SpecEngine(confined_target, drafter.proposer()), astronaut)
