@@ -36,6 +36,7 @@ import torch
 from vlmspec.drafters.base import NoDraft, Proposer
 from vlmspec.scheduling.base import Scheduler, VerifyAll
 from vlmspec.serving.steps import SpecDecoder, SpecRequest
+from vlmspec.serving.text import TextDeltas
 from vlmspec.targets.adapter import QwenVLTarget, RequestState, load_target, prefill_output
 from vlmspec.targets.inputs import ImageLike, TargetInputs
 from vlmspec.types import GenerationResult, RoundRecord
@@ -156,7 +157,7 @@ class SpecEngine:
             device=self.target.device,
         )
         inputs = self.target.build_inputs(images, prompt, messages=messages)
-        return GenerationStream(self, request, self._decode(inputs, decoder, request))
+        return GenerationStream(self, request, inputs.length, self._decode(inputs, decoder, request))
 
     # ---------------------------------------------------------------- the loop
     def _decode(self, inputs: TargetInputs, decoder: SpecDecoder, request: SpecRequest) -> Iterator[RoundRecord | None]:
@@ -216,9 +217,12 @@ class GenerationStream:
     ``result`` is set when the generation is over. Iterate only once, one way or the other.
     """
 
-    def __init__(self, engine: SpecEngine, request: SpecRequest, steps: Iterator[RoundRecord | None]) -> None:
+    def __init__(
+        self, engine: SpecEngine, request: SpecRequest, prompt_tokens: int, steps: Iterator[RoundRecord | None]
+    ) -> None:
         self._tokenizer = engine.target.tokenizer
         self._request = request
+        self._prompt_tokens = prompt_tokens
         self._steps = steps  # None after the prefill, then one RoundRecord per round
         self.result: GenerationResult | None = None
 
@@ -229,20 +233,21 @@ class GenerationStream:
                 yield record
 
     def __iter__(self) -> Iterator[str]:
-        shown = ""
+        deltas = TextDeltas(self._tokenizer)  # no stop strings here: the text keeps them, as result.text does
         for _ in self._run():  # after the prefill and after every round
-            text = self._tokenizer.decode(self._request.tokens, skip_special_tokens=True)
-            if len(text) > len(shown) and not text.endswith("\ufffd"):  # wait for a whole character
-                yield text[len(shown) :]
-                shown = text
-        if len(self.result.text) > len(shown):
-            yield self.result.text[len(shown) :]
+            delta = deltas.add(self._request.tokens[len(deltas) :])
+            if delta:
+                yield delta
+        if rest := deltas.close():
+            yield rest
 
     def _run(self) -> Iterator[RoundRecord | None]:
         yield from self._steps
         request = self._request
         text = self._tokenizer.decode(request.tokens, skip_special_tokens=True)
-        self.result = GenerationResult(text, list(request.tokens), request.stats, request.finish_reason)
+        self.result = GenerationResult(
+            text, list(request.tokens), request.stats, request.finish_reason, prompt_tokens=self._prompt_tokens
+        )
 
 
 def load_proposer(drafter: str | os.PathLike | Proposer | None, target: QwenVLTarget) -> Proposer:

@@ -262,3 +262,4 @@ class GenerationResult:
     stats: SpecStats
     finish_reason: str  # "eos", "stop", or "length"; a BatchEngine request may also end in "abort" or "error"
     error: BaseException | None = None  # what ended a request with finish_reason "error"
+    prompt_tokens: int = 0  # tokens of the prompt the target prefilled (vision tokens included)

@@ -91,6 +91,7 @@ class _Entry:
     request: SpecRequest
     inputs: TargetInputs | None
     added_s: float  # perf_counter() at add_request
+    prompt_tokens: int  # the prompt's length in tokens (vision tokens included)
 
 
 class BatchEngine:
@@ -191,7 +192,7 @@ class BatchEngine:
             device=self.target.device,
         )
         inputs = self.target.build_inputs(images, prompt, messages=messages)
-        self._waiting.append(_Entry(request_id, request, inputs, time.perf_counter()))
+        self._waiting.append(_Entry(request_id, request, inputs, time.perf_counter(), inputs.length))
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -209,7 +210,13 @@ class BatchEngine:
 
     @property
     def num_running(self) -> int:
+        """Requests in the batch (prefilled, decoding)."""
         return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for a free row of the batch."""
+        return len(self._waiting)
 
     def result(self, request_id: str, *, pop: bool = False) -> GenerationResult:
         """The result of a finished request (``pop=True`` also forgets it)."""
@@ -358,7 +365,7 @@ class BatchEngine:
         request.stats.total_s = time.perf_counter() - entry.added_s
         text = self.target.tokenizer.decode(request.tokens, skip_special_tokens=True)
         self._results[entry.request_id] = GenerationResult(
-            text, list(request.tokens), request.stats, request.finish_reason, request.error
+            text, list(request.tokens), request.stats, request.finish_reason, request.error, entry.prompt_tokens
         )
 
     def _known(self, request_id: str) -> bool:
