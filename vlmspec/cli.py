@@ -1,4 +1,4 @@
-"""The ``vlmspec`` command: generate, demo, profile, simulate.
+"""The ``vlmspec`` command: generate, demo, serve, profile, simulate.
 
 Every subcommand is a thin layer over the library; ``vlmspec COMMAND --help`` lists its options.
 """
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _add_generate(commands)
     _add_demo(commands)
+    _add_serve(commands)
     _add_profile(commands)
     _add_simulate(commands)
     return parser
@@ -194,6 +195,47 @@ def _open_image(path):
         return image.convert("RGB")
 
 
+# ------------------------------------------------------------------------------------- serve
+def _add_serve(commands) -> None:
+    p = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (chat completions) over the batched engine")
+    _target_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the --target name)")
+    p.add_argument(
+        "--max-batch-size", type=int, default=32, help="requests decoded at once (rows of the batched forward)"
+    )
+    p.add_argument(
+        "--max-queued", type=int, default=64, help="requests waiting for a row beyond those; more get HTTP 429"
+    )
+    p.add_argument("--default-max-tokens", type=int, default=256, help="when a request sets no max_tokens")
+    p.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="a folder whose image files requests may name by path (default: only base64 data: URLs)",
+    )
+    p.set_defaults(run=_run_serve)
+
+
+def _run_serve(args) -> int:
+    from pathlib import Path
+
+    from vlmspec.server import ServerConfig, serve
+    from vlmspec.serving import BatchEngine
+
+    media = Path(args.allowed_local_media_path) if args.allowed_local_media_path else None
+    if media is not None and not media.is_dir():
+        raise FileNotFoundError(f"--allowed-local-media-path {str(media)!r} is not a folder")
+    if args.max_queued < 0:
+        raise ValueError(f"--max-queued must be >= 0, got {args.max_queued}")
+    engine = _engine(args, BatchEngine, max_batch_size=args.max_batch_size)
+    name = args.served_model_name or Path(str(args.target)).name
+    config = ServerConfig(name, args.max_queued, args.default_max_tokens, media)
+    print(f"serving {name!r} (drafter {args.drafter}, scheduler {args.scheduler}) on http://{args.host}:{args.port}/v1")
+    serve(engine, config, host=args.host, port=args.port)
+    return 0
+
+
 # ----------------------------------------------------------------------------------- profile
 def _add_profile(commands) -> None:
     p = commands.add_parser("profile", help="measure the target's SPS curve for the hardware-aware schedulers")
@@ -332,19 +374,21 @@ def _generation_kwargs(args) -> dict:
     )
 
 
-def _engine(args):
+def _engine(args, engine_class=None, **options):
+    """The engine the target options describe: a SpecEngine, or ``engine_class`` (BatchEngine) with ``options``."""
     from vlmspec.engine import SpecEngine
     from vlmspec.scheduling.factory import build_scheduler
 
     scheduler = build_scheduler(args.scheduler, threshold=args.threshold, sps=args.sps)
     drafter = None if args.drafter == "none" else args.drafter
-    return SpecEngine.from_pretrained(
+    return (engine_class or SpecEngine).from_pretrained(
         args.target,
         drafter=drafter,
         scheduler=scheduler,
         dtype=args.dtype,
         attn_implementation=args.attn_implementation,
         device=args.device,
+        **options,
     )
 
 

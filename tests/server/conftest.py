@@ -1,0 +1,29 @@
+"""Fixtures of the server tests: a tiny target, a tiny DSpark drafter and a live server (see server_helpers)."""
+
+from __future__ import annotations
+
+import pytest
+from server_helpers import MODEL, start_server
+from tiny_drafters import tiny_drafter
+
+from vlmspec.server import ServerConfig
+from vlmspec.serving import BatchEngine
+
+
+@pytest.fixture(scope="module")
+def server_target(make_target):
+    # Tests compute their expected outputs with SpecEngine on this target while the server is idle:
+    # the ragged batch switches the model's attention for its own forwards only.
+    return make_target("qwen2_vl")
+
+
+@pytest.fixture(scope="module")
+def drafter(server_target):
+    return tiny_drafter(server_target).proposer()
+
+
+@pytest.fixture(scope="module")
+def live(server_target, drafter):
+    server = start_server(BatchEngine(server_target, drafter, max_batch_size=8), ServerConfig(MODEL, max_queued=32))
+    yield server
+    server.stop()

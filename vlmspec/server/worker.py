@@ -1,0 +1,285 @@
+"""EngineWorker: a BatchEngine on its own thread, driven from asyncio.
+
+HTTP handlers run on the event loop, and the engine's forwards must not block it. The
+worker's thread is the only one that touches the engine (and its tokenizer, which also
+turns each request's tokens into text): handlers send it commands
+(add a request, abort one) through a queue, and the thread sends each request's step
+outputs back to that request's :class:`RequestHandle` on the event loop. Between
+commands the thread runs ``engine.step()`` while anything is unfinished, and sleeps on
+an event otherwise.
+
+Admission is decided on the event loop (one thread, so the count cannot race): at most
+``max_batch_size`` requests run and ``max_queued`` more wait; the next one is refused
+with :class:`Overloaded` (HTTP 429) instead of waiting without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vlmspec.serving.engine import BatchEngine, StepOutput
+from vlmspec.serving.text import TextDeltas
+from vlmspec.types import GenerationResult
+
+
+class Overloaded(RuntimeError):
+    """Every running and queued place is taken (HTTP 429)."""
+
+
+class Unavailable(RuntimeError):
+    """The engine is stopping or its thread has died (HTTP 503)."""
+
+
+@dataclass
+class Delta:
+    """What one request committed in one engine step (the first token after its prefill, or a round's tokens)."""
+
+    tokens: list[int]
+    text: str  # the text that became safe to show (whole characters, cut before any stop string)
+    time_s: float  # perf_counter() when the worker handed them out
+
+
+class RequestHandle:
+    """One request on the event loop's side: iterate for :class:`Delta`s; ``result`` is set at the end.
+
+    Each request's outputs arrive in order, and the iteration ends exactly once, after the
+    request's :class:`GenerationResult` arrived (whatever ended it: EOS, a stop string,
+    the length limit, an abort or an error).
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.text: TextDeltas | None = None  # the answer's text; the worker thread writes it until the result arrives
+        self.created_s = time.perf_counter()
+        self.first_token_s: float | None = None  # perf_counter() of the first committed token (worker thread)
+        self.result: GenerationResult | None = None
+        self._loop = loop
+        self._events: asyncio.Queue[Delta | GenerationResult] = asyncio.Queue()
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token, from the handle's creation (the HTTP request's arrival)."""
+        return None if self.first_token_s is None else self.first_token_s - self.created_s
+
+    def __aiter__(self):
+        return self._deltas()
+
+    async def _deltas(self):
+        while self.result is None:
+            event = await self._events.get()
+            if isinstance(event, GenerationResult):
+                self.result = event
+            else:
+                yield event
+
+    async def wait(self) -> GenerationResult:
+        """Run to the end, ignoring the deltas; returns the result (``self.text.text`` is the whole answer)."""
+        async for _ in self:
+            pass
+        return self.result
+
+    def _post(self, event: Delta | GenerationResult) -> None:  # any thread
+        self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+
+class EngineWorker:
+    """Owns a :class:`BatchEngine` and runs it on a background thread.
+
+    >>> worker = EngineWorker(engine, max_queued=64)
+    >>> worker.start()                       # on the event loop
+    >>> handle = await worker.submit(prompt="Hi", max_new_tokens=32)
+    >>> async for delta in handle: ...
+    >>> worker.stop()
+
+    ``on_finish(handle, result)`` is called on the event loop for every request when its
+    result has arrived (the server counts it in its metrics there); ``on_step(engine)`` on the
+    worker thread after each engine step and after requests were added or aborted.
+    """
+
+    def __init__(
+        self,
+        engine: BatchEngine,
+        *,
+        max_queued: int = 64,
+        on_finish: Callable[[RequestHandle, GenerationResult], None] | None = None,
+        on_step: Callable[[BatchEngine], None] | None = None,
+    ) -> None:
+        if max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {max_queued}")
+        self.engine = engine
+        self.max_queued = max_queued
+        self._on_finish = on_finish
+        self._on_step = on_step
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._handles: dict[str, RequestHandle] = {}  # worker thread only: unfinished requests in the engine
+        self._active = 0  # event loop only: submitted requests whose result has not arrived
+        self.failure: BaseException | None = None  # what killed the thread, if anything did
+
+    # ------------------------------------------------------------- event loop side
+    @property
+    def capacity(self) -> int:
+        """Requests admitted at once: running plus queued."""
+        return self.engine.max_batch_size + self.max_queued
+
+    @property
+    def active(self) -> int:
+        """Requests admitted whose result has not arrived yet."""
+        return self._active
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will submit requests."""
+        if self._thread is not None:
+            raise RuntimeError("the worker is already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="vlmspec-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort what is unfinished and end the thread (waits for the step in progress)."""
+        if self._thread is None or self._stopping:
+            return
+        self._send(self._abort_all)
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    async def submit(self, **options: Any) -> RequestHandle:
+        """Queue a request (``BatchEngine.add_request`` arguments); returns its handle once the engine took it.
+
+        Raises :class:`Overloaded` when every place is taken, :class:`Unavailable` when
+        the engine is not running, and the engine's own ValueError / TypeError /
+        FileNotFoundError for bad input (nothing is queued then).
+        """
+        if not self.alive:
+            reason = f": the engine thread failed with {self.failure!r}" if self.failure else ""
+            raise Unavailable(f"the engine is not running{reason}")
+        if self._active >= self.capacity:
+            raise Overloaded(
+                f"the server is at capacity ({self.engine.max_batch_size} running, {self.max_queued} queued); "
+                "retry later"
+            )
+        self._active += 1
+        handle = RequestHandle("", self._loop)
+        taken: concurrent.futures.Future[str] = concurrent.futures.Future()
+        self._send(lambda: self._add(handle, options, taken))
+        try:
+            handle.request_id = await asyncio.wrap_future(taken)
+        except BaseException:
+            self._active -= 1
+            raise
+        return handle
+
+    def abort(self, handle: RequestHandle) -> None:
+        """End the request now (a client went away); its handle still gets its result ("abort")."""
+        if handle.result is None and self.alive:
+            self._send(lambda: self._abort(handle.request_id))
+
+    def _finished(self, handle: RequestHandle, result: GenerationResult) -> None:  # event loop
+        self._active -= 1
+        if self._on_finish is not None:
+            self._on_finish(handle, result)
+
+    # ---------------------------------------------------------------- worker thread
+    def _send(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping or not self._commands.empty():
+                self._wake.clear()
+                if self._run_commands() and self._on_step is not None:
+                    self._on_step(self.engine)  # requests were added or aborted: the queue changed
+                if self.engine.has_unfinished and not self._stopping:
+                    self._step()
+                elif not self._stopping:
+                    self._wake.wait()
+        except BaseException as err:  # the thread must not die silently: /health and submit() report it
+            self.failure = err
+            self._abort_all(error=err)
+            raise
+
+    def _run_commands(self) -> int:
+        """Run the commands sent so far; returns how many."""
+        done = 0
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return done
+            command()
+            done += 1
+
+    def _add(self, handle: RequestHandle, options: dict, taken: concurrent.futures.Future) -> None:
+        try:
+            request_id = self.engine.add_request(**options)
+        except Exception as err:  # noqa: BLE001 - bad input: the caller answers 400
+            taken.set_exception(err)
+            return
+        handle.request_id = request_id
+        stop = options.get("stop") or ()
+        handle.text = TextDeltas(self.engine.target.tokenizer, [stop] if isinstance(stop, str) else stop)
+        self._handles[request_id] = handle
+        taken.set_result(request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as err:  # noqa: BLE001 - the engine isolates request failures; this is anything else
+            self._abort_all(error=err)
+            return
+        now = time.perf_counter()
+        for output in outputs:
+            self._publish(output, now)
+        if self._on_step is not None:
+            self._on_step(self.engine)
+
+    def _publish(self, output: StepOutput, now: float) -> None:
+        handle = self._handles.get(output.request_id)
+        if handle is None:
+            return
+        if output.tokens and handle.first_token_s is None:
+            handle.first_token_s = now
+        handle._post(Delta(output.tokens, handle.text.add(output.tokens), now))
+        if output.finished:
+            self._deliver(output.request_id)
+
+    def _abort(self, request_id: str) -> None:
+        if self.engine.abort(request_id):
+            self._deliver(request_id)
+
+    def _abort_all(self, error: BaseException | None = None) -> None:
+        for request_id in list(self._handles):
+            self.engine.abort(request_id)
+            if error is not None:
+                result = self.engine.result(request_id, pop=True)
+                result.finish_reason, result.error = "error", error
+                self._deliver_result(request_id, result)
+            else:
+                self._deliver(request_id)
+
+    def _deliver(self, request_id: str) -> None:
+        self._deliver_result(request_id, self.engine.result(request_id, pop=True))
+
+    def _deliver_result(self, request_id: str, result: GenerationResult) -> None:
+        handle = self._handles.pop(request_id)
+        rest = handle.text.close()  # text held back for a possible stop string that never came
+        if rest:
+            handle._post(Delta([], rest, time.perf_counter()))
+        handle._post(result)
+        self._loop.call_soon_threadsafe(self._finished, handle, result)
