@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from server_helpers import MODEL, start_server
+from server_helpers import MODEL
 from tiny_drafters import tiny_drafter
 
-from vlmspec.server import ServerConfig
+from vlmspec.server import BackgroundServer, ServerConfig
 from vlmspec.serving import BatchEngine
 
 
@@ -24,6 +24,8 @@ def drafter(server_target):
 
 @pytest.fixture(scope="module")
 def live(server_target, drafter):
-    server = start_server(BatchEngine(server_target, drafter, max_batch_size=8), ServerConfig(MODEL, max_queued=32))
+    server = BackgroundServer(
+        BatchEngine(server_target, drafter, max_batch_size=8), ServerConfig(MODEL, max_queued=32)
+    ).start()
     yield server
     server.stop()

@@ -1,6 +1,6 @@
-"""Helpers of the server tests: a live vlmspec server on a free loopback port, in this process.
+"""Helpers of the server tests: images as data URLs, plain HTTP, Prometheus samples, waiting.
 
-The server runs uvicorn on a thread; the engine runs on its own worker thread. The
+The servers under test run in this process (``vlmspec.server.BackgroundServer``). The
 target is tiny and random-init, the drafter a tiny random DSpark drafter, so outputs are
 gibberish but exact: every greedy answer is compared with ``SpecEngine.generate``.
 """
@@ -10,54 +10,11 @@ from __future__ import annotations
 import base64
 import io
 import json
-import socket
-import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
-
-import uvicorn
-
-from vlmspec.server import ServerConfig, create_app
-from vlmspec.serving import BatchEngine
 
 MODEL = "tiny-qwen2-vl"
-
-
-@dataclass
-class LiveServer:
-    """A running server: its engine, its app (``app.state.worker`` / ``.metrics``) and its address."""
-
-    engine: BatchEngine
-    app: object
-    url: str  # http://127.0.0.1:PORT
-    server: uvicorn.Server
-    thread: threading.Thread
-
-    @property
-    def base_url(self) -> str:
-        return f"{self.url}/v1"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
-def start_server(engine: BatchEngine, config: ServerConfig) -> LiveServer:
-    app = create_app(engine, config)
-    with socket.socket() as probe:  # a free port, chosen by the OS
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
-    return LiveServer(engine, app, f"http://127.0.0.1:{port}", server, thread)
 
 
 def data_url(image, size=(64, 64)) -> str:
@@ -89,3 +46,11 @@ def metric(text: str, name: str, **labels: str) -> float:
         if line.startswith(wanted + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+def wait_until(condition, timeout: float = 30.0) -> None:
+    """Poll ``condition`` until it holds (the server settles on its own threads)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the server"
+        time.sleep(0.02)

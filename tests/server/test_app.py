@@ -6,15 +6,14 @@ Malformed requests go through plain HTTP, since the client refuses to send most 
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 
 import openai
 import pytest
-from server_helpers import MODEL, data_url, http, metric, start_server
+from server_helpers import MODEL, data_url, http, metric, wait_until
 
 from vlmspec.engine import SpecEngine
-from vlmspec.server import ServerConfig
+from vlmspec.server import BackgroundServer, ServerConfig
 from vlmspec.serving import BatchEngine
 
 
@@ -201,7 +200,7 @@ def test_local_images_only_from_the_allowed_folder(server_target, drafter, astro
     allowed.mkdir()
     astronaut.resize((64, 64)).save(allowed / "astronaut.png")
     astronaut.resize((64, 64)).save(tmp_path / "outside.png")
-    server = start_server(BatchEngine(server_target, drafter), ServerConfig(MODEL, allowed_media=allowed))
+    server = BackgroundServer(BatchEngine(server_target, drafter), ServerConfig(MODEL, allowed_media=allowed)).start()
     try:
         url = f"{server.base_url}/chat/completions"
         for path in (str(allowed / "astronaut.png"), (allowed / "astronaut.png").as_uri()):
@@ -219,7 +218,9 @@ def test_local_images_only_from_the_allowed_folder(server_target, drafter, astro
 
 
 def test_a_full_server_answers_429_and_never_hangs(server_target, drafter):
-    server = start_server(BatchEngine(server_target, drafter, max_batch_size=1), ServerConfig(MODEL, max_queued=1))
+    server = BackgroundServer(
+        BatchEngine(server_target, drafter, max_batch_size=1), ServerConfig(MODEL, max_queued=1)
+    ).start()
     try:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
         streams = [
@@ -248,10 +249,3 @@ def test_a_client_that_disconnects_mid_stream_has_its_request_aborted(live, clie
     text = http(f"{live.url}/metrics")[1]
     assert metric(text, "vlmspec_requests_total", finish_reason="abort") == before + 1
     assert metric(text, "vlmspec_num_requests_running") == 0
-
-
-def wait_until(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting for the server"
-        time.sleep(0.02)

@@ -1,6 +1,7 @@
 """``vlmspec serve``: an OpenAI-compatible HTTP server over the batched engine (``pip install vlmspec[serve]``).
 
 * :mod:`vlmspec.server.app`: :func:`create_app`, :func:`serve`, :class:`ServerConfig`.
+* :mod:`vlmspec.server.background`: :class:`BackgroundServer`, a server on a thread (tests, notebooks).
 * :mod:`vlmspec.server.worker`: :class:`EngineWorker`, the engine on its own thread.
 * :mod:`vlmspec.server.protocol`: the chat-completions request schema and response bodies.
 * :mod:`vlmspec.server.media`: image parts (base64 data URLs, allowed local paths).
@@ -19,5 +20,6 @@ except ImportError as err:
     ) from err
 
 from vlmspec.server.app import ServerConfig, create_app, serve
+from vlmspec.server.background import BackgroundServer
 
-__all__ = ["ServerConfig", "create_app", "serve"]
+__all__ = ["BackgroundServer", "ServerConfig", "create_app", "serve"]
