@@ -89,6 +89,17 @@ def summarize(values: Iterable[float | None]) -> dict[str, float | int | None]:
     }
 
 
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The q-th percentile (0-100) by linear interpolation between the closest ranks; None for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
 def format_number(value: Any, digits: int = 2) -> str:
     """A table cell: numbers with ``digits`` decimals, None/NaN as an en dash, anything else via ``str``."""
     if value is None:

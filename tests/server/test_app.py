@@ -10,11 +10,14 @@ import urllib.request
 
 import openai
 import pytest
+import torch
 from server_helpers import MODEL, data_url, http, metric, wait_until
 
+from vlmspec.drafters import PerRequestProposer
 from vlmspec.engine import SpecEngine
 from vlmspec.server import BackgroundServer, ServerConfig
 from vlmspec.serving import BatchEngine
+from vlmspec.types import DraftBlock
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +252,35 @@ def test_a_client_that_disconnects_mid_stream_has_its_request_aborted(live, clie
     text = http(f"{live.url}/metrics")[1]
     assert metric(text, "vlmspec_requests_total", finish_reason="abort") == before + 1
     assert metric(text, "vlmspec_num_requests_running") == 0
+
+
+class ExplodingDrafter(PerRequestProposer):
+    """Drafts the anchor again, except for prompts that mention KABOOM: those make it raise."""
+
+    max_draft_tokens = 1
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def new_state(self) -> dict:
+        return {"prompt": None}
+
+    def propose_one(self, state, update, params, generator) -> DraftBlock:
+        state["prompt"] = state["prompt"] or self.tokenizer.decode(update.token_ids)
+        if "KABOOM" in state["prompt"]:
+            raise RuntimeError("the drafter exploded")
+        return DraftBlock(update.token_ids[-1:].reshape(1, 1).to(torch.long), torch.tensor([1]))
+
+
+def test_a_request_that_fails_gets_a_500_and_the_others_are_served(server_target):
+    engine = BatchEngine(server_target, ExplodingDrafter(server_target.tokenizer), max_batch_size=4)
+    with BackgroundServer(engine, ServerConfig(MODEL)) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+        with pytest.raises(openai.InternalServerError, match="the drafter exploded"):
+            client.chat.completions.create(model=MODEL, messages=user("KABOOM"), max_tokens=5)
+        with pytest.raises(openai.APIError, match="the drafter exploded"):
+            list(client.chat.completions.create(model=MODEL, messages=user("KABOOM!"), max_tokens=5, stream=True))
+        response = client.chat.completions.create(model=MODEL, messages=user("Fine?"), max_tokens=5, temperature=0)
+        assert response.usage.completion_tokens == 5
+        assert metric(http(f"{server.url}/metrics")[1], "vlmspec_requests_total", finish_reason="error") == 2
+        assert http(f"{server.url}/health")[0] == 200

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import queue
 import threading
 import time
@@ -27,6 +28,8 @@ from typing import Any
 from vlmspec.serving.engine import BatchEngine, StepOutput
 from vlmspec.serving.text import TextDeltas
 from vlmspec.types import GenerationResult
+
+LOG = logging.getLogger("vlmspec.server")
 
 
 class Overloaded(RuntimeError):
@@ -278,6 +281,8 @@ class EngineWorker:
 
     def _deliver_result(self, request_id: str, result: GenerationResult) -> None:
         handle = self._handles.pop(request_id)
+        if result.finish_reason == "error":
+            LOG.warning("request %s failed: %r", request_id, result.error)
         rest = handle.text.close()  # text held back for a possible stop string that never came
         if rest:
             handle._post(Delta([], rest, time.perf_counter()))

@@ -1,0 +1,357 @@
+"""Serving benchmark: ``vlmspec serve`` under N concurrent OpenAI clients, speculative against the target alone.
+
+One ``vlmspec serve`` process is started per variant (they stay up side by side, so the
+variants run interleaved at every level and their ratios compare numbers measured in one
+run):
+
+* ``alone``: the target alone (``--drafter none``): one token per request per step;
+* ``threshold``: the drafter, drafts verified up to the first confidence below ``--threshold``;
+* ``fixed``: the drafter, every draft verified (``--scheduler none``);
+* ``prefix``: Algorithm 1, with a batch SPS table (``--sps``, or measured here first).
+
+At each concurrency level N, N clients (``openai.AsyncOpenAI``, streaming) send
+``--requests`` chat completions back to back, half with an image (a base64 data URL)
+and half text. Reported per cell: requests/s and output tokens/s (completion tokens
+over the wall time of the whole cell), time to first token and time per output token
+after the first (p50 / p90 / p99 over the requests), end-to-end latency, tau (from the
+responses' ``vlmspec`` field), errors, and for greedy runs whether every answer equals
+the target alone's. Writes ``serving.json``, ``serving.md``, ``serving_throughput.png``
+and ``serving_latency.png`` into ``--out``; the servers' logs go to ``--out`` too.
+
+The reference pair on a CPU (the default)::
+
+    python -m benchmarks.serving --out runs/serving
+
+A smoke run on a tiny random target::
+
+    python -m benchmarks.serving --target tiny:qwen2_vl --drafter prompt-lookup --concurrency 1,2 \\
+        --requests 4 --max-tokens 8 --out runs/serving-smoke
+
+The clients run in this process and the servers in theirs; on a small machine they share
+the cores, which slows both variants alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import (
+    environment_info,
+    format_number,
+    log,
+    markdown_table,
+    percentile,
+    plot_lines,
+    prepare_out_dir,
+    rotated,
+    safe_ratio,
+    write_json,
+    write_text,
+)
+from benchmarks.concurrency import DEFAULT_PROMPT_SET, workload
+
+VARIANTS = ("alone", "threshold", "fixed", "prefix")
+SCHEDULER_FLAGS = {
+    "alone": ["--drafter", "none"],
+    "threshold": ["--scheduler", "threshold"],
+    "fixed": ["--scheduler", "none"],
+    "prefix": ["--scheduler", "prefix"],
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", default="reference", help="'reference', a Qwen-VL directory, or tiny:FAMILY")
+    parser.add_argument("--drafter", default="reference", help="a drafter `vlmspec serve --drafter` takes")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--variants", default="alone,threshold", help=f"any of {', '.join(VARIANTS)}")
+    parser.add_argument("--concurrency", default="1,4,16", help="comma-separated numbers of concurrent clients")
+    parser.add_argument("--requests", type=int, default=32, help="requests per cell (per level and variant)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (answers are compared)")
+    parser.add_argument("--threshold", type=float, default=0.5, help="confidence threshold of the threshold variant")
+    parser.add_argument("--sps", default=None, help="a batch SPS table for 'prefix' (measured here if omitted)")
+    parser.add_argument("--max-batch-size", type=int, default=None, help="the servers' (default: the top level)")
+    parser.add_argument("--prompt-set", default=str(DEFAULT_PROMPT_SET), help="text prompts (JSONL with turns)")
+    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for a server")
+    parser.add_argument("--out", type=Path, default=Path("runs/serving"))
+    args = parser.parse_args(argv)
+    args.levels = [int(v) for v in args.concurrency.split(",") if v.strip()]
+    args.variant_list = [v for v in args.variants.split(",") if v]
+    if not args.levels or min(args.levels) < 1:
+        parser.error(f"--concurrency takes positive integers separated by commas, got {args.concurrency!r}")
+    if not args.variant_list or set(args.variant_list) - set(VARIANTS):
+        parser.error(f"--variants takes any of {', '.join(VARIANTS)}, got {args.variants!r}")
+    return args
+
+
+# ---------------------------------------------------------------------------------- servers
+@dataclass
+class ServerProcess:
+    """One ``vlmspec serve`` child process."""
+
+    variant: str
+    url: str
+    process: subprocess.Popen
+    log_file: Any
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log_file.close()
+
+
+def start_server(variant: str, port: int, args: argparse.Namespace, sps: str | None, out: Path) -> ServerProcess:
+    command = [sys.executable, "-m", "vlmspec.cli", "serve", "--target", args.target, "--dtype", args.dtype]
+    command += ["--drafter", args.drafter, "--threshold", str(args.threshold)] + SCHEDULER_FLAGS[variant]
+    command += ["--sps", sps] if variant == "prefix" else []
+    command += ["--port", str(port), "--served-model-name", "bench"]
+    command += ["--max-batch-size", str(args.max_batch_size or max(args.levels)), "--max-queued", str(args.requests)]
+    log_file = open(out / f"server-{variant}.log", "w")  # closed by ServerProcess.stop
+    process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+    return ServerProcess(variant, f"http://127.0.0.1:{port}", process, log_file)
+
+
+def wait_ready(server: ServerProcess, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise SystemExit(f"the {server.variant} server exited; see its log in --out")
+        try:
+            with urllib.request.urlopen(f"{server.url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit(f"the {server.variant} server did not answer /health within {timeout:.0f} s")
+
+
+def measured_sps(args: argparse.Namespace, out: Path) -> str:
+    """A batch SPS table for Algorithm 1: ``--sps``, or measured now (vlmspec profile --requests ...)."""
+    if args.sps:
+        return args.sps
+    from benchmarks.concurrency import load_pair, sps_table
+
+    profile_args = argparse.Namespace(**{**vars(args), "profile_context": 160, "profile_repeats": 5, "sps": None})
+    target, proposer = load_pair(profile_args)
+    sps_table(profile_args, target, proposer.max_draft_tokens, out)
+    return str(out / "sps.json")
+
+
+# ---------------------------------------------------------------------------------- clients
+@dataclass
+class Timing:
+    """One request as its client saw it."""
+
+    sent_s: float
+    first_s: float | None = None  # first content chunk
+    done_s: float | None = None
+    completion_tokens: int = 0
+    text: str = ""
+    speculation: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+def chat_requests(args: argparse.Namespace) -> list[dict]:
+    """The cell's request bodies: half an image question (data URL), half a prompt-set question."""
+    bodies = []
+    for task in workload(args, args.requests):
+        parts = [{"type": "image_url", "image_url": {"url": data_url(image)}} for image in task.images]
+        parts.append({"type": "text", "text": task.prompt})
+        bodies.append(
+            dict(
+                messages=[{"role": "user", "content": parts}],
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                seed=len(bodies),
+            )
+        )
+    return bodies
+
+
+def data_url(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+async def one_request(client, body: dict) -> Timing:
+    timing = Timing(time.perf_counter())
+    try:
+        stream = await client.chat.completions.create(
+            model="bench", stream=True, stream_options={"include_usage": True}, **body
+        )
+        async for chunk in stream:
+            if chunk.usage is not None:
+                timing.completion_tokens = chunk.usage.completion_tokens
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    timing.first_s = timing.first_s or time.perf_counter()
+                    timing.text += choice.delta.content
+                if choice.finish_reason is not None:
+                    timing.speculation = (chunk.model_extra or {}).get("vlmspec", {})
+    except Exception as err:  # noqa: BLE001 - counted and reported, the other clients go on
+        timing.error = repr(err)
+    timing.done_s = time.perf_counter()
+    return timing
+
+
+async def run_cell(base_url: str, bodies: list[dict], clients: int) -> tuple[float, list[Timing]]:
+    """``clients`` closed-loop clients share the bodies; returns the wall time and each request's timing, in order."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=3600)
+    timings: list[Timing | None] = [None] * len(bodies)
+    queue = list(range(len(bodies)))[::-1]
+
+    async def worker() -> None:
+        while queue:
+            index = queue.pop()
+            timings[index] = await one_request(client, bodies[index])
+
+    tick = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    wall_s = time.perf_counter() - tick
+    await client.close()
+    return wall_s, timings
+
+
+def cell_metrics(wall_s: float, timings: list[Timing]) -> dict[str, Any]:
+    ok = [t for t in timings if t.error is None]
+    tokens = sum(t.completion_tokens for t in ok)
+    ttft = [t.first_s - t.sent_s for t in ok if t.first_s is not None]
+    tpot = [(t.done_s - t.first_s) / (t.completion_tokens - 1) for t in ok if t.first_s and t.completion_tokens > 1]
+    e2e = [t.done_s - t.sent_s for t in ok]
+    rounds = sum(t.speculation.get("rounds", 0) for t in ok)
+    accepted = sum(t.speculation.get("accepted", 0) for t in ok)
+    cell = {
+        "wall_s": wall_s,
+        "requests": len(ok),
+        "errors": len(timings) - len(ok),
+        "requests_per_s": len(ok) / wall_s,
+        "output_tokens": tokens,
+        "tokens_per_s": tokens / wall_s,
+        "tau": (accepted + rounds) / rounds if rounds else None,
+        "first_error": next((t.error for t in timings if t.error is not None), None),
+    }
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
+        for q in (50, 90, 99):
+            cell[f"{name}_p{q}_s"] = percentile(values, q)
+    return cell
+
+
+# ------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = prepare_out_dir(args.out)
+    sps = measured_sps(args, out) if "prefix" in args.variant_list else None
+    bodies = chat_requests(args)
+    servers = {}
+    try:
+        for variant in args.variant_list:
+            servers[variant] = start_server(variant, _free_port(), args, sps, out)
+        for server in servers.values():
+            log(f"waiting for the {server.variant} server ...")
+            wait_ready(server, args.startup_timeout)
+            asyncio.run(run_cell(f"{server.url}/v1", bodies[:2], 2))  # warm-up: first-call costs, both paths
+        cells = []
+        for level in args.levels:
+            results = {}
+            for variant in rotated(args.variant_list, level):
+                wall_s, timings = asyncio.run(run_cell(f"{servers[variant].url}/v1", bodies, level))
+                results[variant] = timings
+                cell = {"concurrency": level, "variant": variant, **cell_metrics(wall_s, timings)}
+                cells.append(cell)
+                log(
+                    f"N={level:3d} {variant:10s} {cell['requests_per_s']:6.2f} req/s {cell['tokens_per_s']:7.1f} tok/s "
+                    f"TTFT p50 {format_number(cell['ttft_p50_s'])} s, TPOT p50 {format_number(cell['tpot_p50_s'], 3)} s, "
+                    f"errors {cell['errors']}"
+                )
+            compare(cells, results, level, args)
+    finally:
+        for server in servers.values():
+            server.stop()
+    write_outputs(out, args, cells)
+    return 0
+
+
+def compare(cells: list[dict], results: dict[str, list[Timing]], level: int, args: argparse.Namespace) -> None:
+    """Each cell of this level against the target alone: the throughput ratio, and identity when greedy."""
+    if "alone" not in results:
+        return
+    alone = next(c for c in cells if c["concurrency"] == level and c["variant"] == "alone")
+    for cell in (c for c in cells if c["concurrency"] == level):
+        cell["vs_alone"] = safe_ratio(cell["tokens_per_s"], alone["tokens_per_s"])
+        if args.temperature == 0:
+            pairs = zip(results[cell["variant"]], results["alone"])
+            cell["identical"] = all(t.text == a.text and t.error is None for t, a in pairs)
+
+
+def write_outputs(out: Path, args: argparse.Namespace, cells: list[dict[str, Any]]) -> None:
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    write_json(out / "serving.json", {"environment": environment_info(), "settings": settings, "cells": cells})
+    headers = ["clients", "variant", "req/s", "tok/s", "vs alone", "tau", "TTFT p50 s", "TTFT p90 s"]
+    headers += ["TPOT p50 ms", "TPOT p90 ms", "TPOT p99 ms", "errors", "identical"]
+    rows = [
+        [c["concurrency"], c["variant"], c["requests_per_s"], c["tokens_per_s"], c.get("vs_alone"), c["tau"]]
+        + [c["ttft_p50_s"], c["ttft_p90_s"]]
+        + [None if c[f"tpot_p{q}_s"] is None else 1000 * c[f"tpot_p{q}_s"] for q in (50, 90, 99)]
+        + [c["errors"], c.get("identical")]
+        for c in cells
+    ]
+    note = (
+        f"target {args.target}, drafter {args.drafter}, {args.dtype}; {args.requests} requests per cell (half with an "
+        f"image), max_tokens {args.max_tokens}, temperature {args.temperature}; clients stream"
+    )
+    write_text(out / "serving.md", f"{note}\n\n{markdown_table(headers, rows)}")
+    by_variant = {v: [c for c in cells if c["variant"] == v] for v in args.variant_list}
+    plot_lines(
+        out / "serving_throughput.png",
+        {v: ([c["concurrency"] for c in mine], [c["tokens_per_s"] for c in mine]) for v, mine in by_variant.items()},
+        title="vlmspec serve: output tokens per second",
+        xlabel="concurrent clients",
+        ylabel="output tokens / s",
+    )
+    plot_lines(
+        out / "serving_latency.png",
+        {
+            f"{v} {name}": ([c["concurrency"] for c in mine], [c[f"{name}_p50_s"] for c in mine])
+            for v, mine in by_variant.items()
+            for name in ("ttft", "e2e")
+        },
+        title="vlmspec serve: median latency",
+        xlabel="concurrent clients",
+        ylabel="seconds",
+    )
+    log(f"wrote {out / 'serving.json'}, {out / 'serving.md'} and two plots")
+    print(json.dumps({c["variant"] + f"@{c['concurrency']}": round(c["tokens_per_s"], 2) for c in cells}))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    raise SystemExit(main())

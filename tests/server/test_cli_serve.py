@@ -1,0 +1,37 @@
+"""`vlmspec serve`: flags become the engine and the server config; a missing extra or folder says what to do."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+from vlmspec.cli import main
+
+
+def test_serve_builds_the_engine_and_the_config_from_its_flags(monkeypatch, tmp_path, capsys):
+    served = {}
+    monkeypatch.setattr("vlmspec.server.serve", lambda engine, config, host, port: served.update(locals()))
+    args = ["serve", "--target", "tiny:qwen2_vl", "--drafter", "prompt-lookup", "--port", "8123"]
+    args += ["--max-batch-size", "4", "--max-queued", "2", "--allowed-local-media-path", str(tmp_path)]
+    assert main(args) == 0
+    engine, config = served["engine"], served["config"]
+    assert engine.max_batch_size == 4 and type(engine.proposer).__name__ == "PromptLookup"
+    assert (config.model_name, config.max_queued, config.allowed_media) == ("tiny:qwen2_vl", 2, tmp_path)
+    assert (served["host"], served["port"]) == ("127.0.0.1", 8123)
+    assert "http://127.0.0.1:8123/v1" in capsys.readouterr().out
+
+
+def test_serve_refuses_a_media_folder_that_does_not_exist(tmp_path, capsys):
+    args = ["serve", "--target", "tiny:qwen2_vl", "--allowed-local-media-path", str(tmp_path / "missing")]
+    assert main(args) == 2
+    assert "is not a folder" in capsys.readouterr().err
+
+
+def test_without_the_serve_extra_the_error_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if it were not installed
+    for name in [m for m in sys.modules if m == "vlmspec.server" or m.startswith("vlmspec.server.")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(ImportError, match=r"pip install 'vlmspec\[serve\]'"):
+        importlib.import_module("vlmspec.server")
