@@ -197,7 +197,13 @@ def _open_image(path):
 
 # ------------------------------------------------------------------------------------- serve
 def _add_serve(commands) -> None:
-    p = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (chat completions) over the batched engine")
+    p = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (chat completions) over the batched engine",
+        description="Serve /v1/chat/completions, /v1/models, /health and /metrics. --scheduler defaults to "
+        "threshold for a DSpark drafter (drafts verified up to the first unconfident one) and to none "
+        "(verify every draft) for prompt lookup.",
+    )
     _target_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000)
@@ -214,7 +220,8 @@ def _add_serve(commands) -> None:
         default=None,
         help="a folder whose image files requests may name by path (default: only base64 data: URLs)",
     )
-    p.set_defaults(run=_run_serve)
+    # Verifying every draft is the slowest choice for a drafter with a confidence head (see the README).
+    p.set_defaults(run=_run_serve, scheduler=None)
 
 
 def _run_serve(args) -> int:
@@ -228,6 +235,8 @@ def _run_serve(args) -> int:
         raise FileNotFoundError(f"--allowed-local-media-path {str(media)!r} is not a folder")
     if args.max_queued < 0:
         raise ValueError(f"--max-queued must be >= 0, got {args.max_queued}")
+    if args.scheduler is None:  # threshold needs confidences: prompt lookup (and no drafter) verify everything
+        args.scheduler = "none" if args.drafter in ("none", "prompt-lookup") else "threshold"
     engine = _engine(args, BatchEngine, max_batch_size=args.max_batch_size)
     name = args.served_model_name or Path(str(args.target)).name
     config = ServerConfig(name, args.max_queued, args.default_max_tokens, media)

@@ -92,6 +92,24 @@ def test_a_streamed_greedy_answer_equals_spec_engine_generate(client, reference,
     assert chunks[-2].model_extra["vlmspec"]["rounds"] == expected.stats.rounds
 
 
+def test_a_conversation_with_system_and_assistant_turns_equals_spec_engine(client, reference):
+    conversation = [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": [{"type": "text", "text": "Another one?"}]},
+    ]
+    response = client.chat.completions.create(model=MODEL, messages=conversation, max_tokens=8, temperature=0)
+    as_parts = [
+        {
+            "role": m["role"],
+            "content": [{"type": "text", "text": m["content"]}] if isinstance(m["content"], str) else m["content"],
+        }
+        for m in conversation
+    ]
+    assert response.choices[0].message.content == reference(as_parts, max_new_tokens=8).text
+
+
 def test_the_event_stream_ends_with_done(live):
     body = {"messages": user("Hi"), "max_tokens": 4, "temperature": 0, "stream": True}
     request = urllib.request.Request(

@@ -18,6 +18,7 @@ def test_serve_builds_the_engine_and_the_config_from_its_flags(monkeypatch, tmp_
     assert main(args) == 0
     engine, config = served["engine"], served["config"]
     assert engine.max_batch_size == 4 and type(engine.proposer).__name__ == "PromptLookup"
+    assert type(engine.scheduler).__name__ == "VerifyAll"  # prompt lookup has no confidences to threshold
     assert (config.model_name, config.max_queued, config.allowed_media) == ("tiny:qwen2_vl", 2, tmp_path)
     assert (served["host"], served["port"]) == ("127.0.0.1", 8123)
     assert "http://127.0.0.1:8123/v1" in capsys.readouterr().out

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from vlmspec.server.media import engine_messages
 from vlmspec.server.metrics import CONTENT_TYPE, ServerMetrics
 from vlmspec.server.protocol import (
+    FINISH_REASONS,
     APIError,
     ChatCompletionRequest,
     chunk_body,
@@ -202,7 +203,7 @@ async def _stream(
         if result.finish_reason == "error":
             yield _event(_server_error(result))
         else:
-            finish = completion_body(request_id, model, "", result)["choices"][0]["finish_reason"]
+            finish = FINISH_REASONS[result.finish_reason]
             yield _event(chunk_body(request_id, model, {}, finish, vlmspec=speculation(result)))
             if include_usage:
                 yield _event(chunk_body(request_id, model, None, usage=usage(result)))

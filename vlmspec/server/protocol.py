@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from vlmspec.types import GenerationResult
 
-# How a vlmspec finish reason reads in the OpenAI API ("abort" never reaches a client that is still there).
+# How a vlmspec finish reason reads in the OpenAI API. "abort" never reaches a client (it left), and an
+# "error" is answered with a 500 or an error event instead.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort", "error": "error"}
 MAX_STOP_STRINGS = 4  # as the OpenAI API
 
