@@ -241,8 +241,11 @@ class EngineWorker:
         taken.set_result(request_id)
 
     def _step(self) -> None:
+        """``engine.step()``, in its parts: each first token goes out as soon as its prefill is done."""
         try:
-            outputs = self.engine.step()
+            while (admitted := self.engine.admit_next()) is not None:
+                self._publish(admitted, time.perf_counter())
+            outputs = self.engine.decode()
         except Exception as err:  # noqa: BLE001 - the engine isolates request failures; this is anything else
             self._abort_all(error=err)
             return

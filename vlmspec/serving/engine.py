@@ -249,34 +249,40 @@ class BatchEngine:
 
     # ---------------------------------------------------------------- steps
     def step(self) -> list[StepOutput]:
-        """Admit waiting requests, run one speculative step for all running ones, retire the finished."""
-        outputs = self._admit()
-        if self._running:
-            outputs += self._decode()
-        return outputs
+        """Admit waiting requests, run one speculative step for all running ones, retire the finished.
 
-    def _admit(self) -> list[StepOutput]:
-        """Prefill waiting requests one at a time while there is room in the batch."""
+        The same as calling :meth:`admit_next` until it returns None, then :meth:`decode`
+        (a host that streams calls them itself, to hand out each first token as soon as
+        its prefill is done).
+        """
         outputs = []
-        while self._waiting and len(self._running) < self.max_batch_size:
-            entry = self._waiting.popleft()
-            request, committed = entry.request, []
-            try:
-                state = prefill_request(self.target, self.decoder, request, entry.inputs)
-                committed = list(request.tokens)
-                if not request.finished:
-                    self._batch.add(state)
-                    self._running.append(entry)
-            except Exception as err:  # noqa: BLE001 - only this request's own prefill failed
-                request.finish("error", err)
-            entry.inputs = None  # the processor outputs (pixels) are not needed any more
-            outputs.append(StepOutput(entry.request_id, committed, request.finish_reason, None))
-            if request.finished:
-                self._store(entry)
-        return outputs
+        while (admitted := self.admit_next()) is not None:
+            outputs.append(admitted)
+        return outputs + self.decode()
 
-    def _decode(self) -> list[StepOutput]:
-        """One step for every running request; if it fails, once for each request alone."""
+    def admit_next(self) -> StepOutput | None:
+        """Prefill the next waiting request if there is room in the batch; its first token (None: nothing admitted)."""
+        if not self._waiting or len(self._running) >= self.max_batch_size:
+            return None
+        entry = self._waiting.popleft()
+        request, committed = entry.request, []
+        try:
+            state = prefill_request(self.target, self.decoder, request, entry.inputs)
+            committed = list(request.tokens)
+            if not request.finished:
+                self._batch.add(state)
+                self._running.append(entry)
+        except Exception as err:  # noqa: BLE001 - only this request's own prefill failed
+            request.finish("error", err)
+        entry.inputs = None  # the processor outputs (pixels) are not needed any more
+        if request.finished:
+            self._store(entry)
+        return StepOutput(entry.request_id, committed, request.finish_reason, None)
+
+    def decode(self) -> list[StepOutput]:
+        """One speculative step for every running request (none: nothing); if it fails, once for each request alone."""
+        if not self._running:
+            return []
         rows = list(range(len(self._running)))
         drafts = None
         try:
