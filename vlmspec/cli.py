@@ -239,7 +239,9 @@ def _run_serve(args) -> int:
         args.scheduler = "none" if args.drafter in ("none", "prompt-lookup") else "threshold"
     engine = _engine(args, BatchEngine, max_batch_size=args.max_batch_size)
     name = args.served_model_name or Path(str(args.target)).name
-    config = ServerConfig(name, args.max_queued, args.default_max_tokens, media)
+    config = ServerConfig(
+        model_name=name, max_queued=args.max_queued, default_max_tokens=args.default_max_tokens, allowed_media=media
+    )
     print(f"serving {name!r} (drafter {args.drafter}, scheduler {args.scheduler}) on http://{args.host}:{args.port}/v1")
     serve(engine, config, host=args.host, port=args.port)
     return 0

@@ -302,3 +302,25 @@ def test_a_request_that_fails_gets_a_500_and_the_others_are_served(server_target
         assert response.usage.completion_tokens == 5
         assert metric(http(f"{server.url}/metrics")[1], "vlmspec_requests_total", finish_reason="error") == 2
         assert http(f"{server.url}/health")[0] == 200
+
+
+class Fatal(BaseException):
+    """Not an Exception: nothing in the engine may swallow it, so it stops the engine thread."""
+
+
+class FatalDrafter(ExplodingDrafter):
+    def propose_one(self, state, update, params, generator) -> DraftBlock:
+        raise Fatal("the machine caught fire")
+
+
+def test_a_dead_engine_thread_answers_503_and_says_why(server_target):
+    engine = BatchEngine(server_target, FatalDrafter(server_target.tokenizer))
+    with BackgroundServer(engine, ServerConfig(MODEL)) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+        with pytest.raises(openai.InternalServerError, match="caught fire"):
+            client.chat.completions.create(model=MODEL, messages=user("Hi"), max_tokens=5)
+        status, health = http(f"{server.url}/health")
+        assert status == 503 and "caught fire" in health["error"]
+        with pytest.raises(openai.APIStatusError, match="the engine is not running") as refused:
+            client.chat.completions.create(model=MODEL, messages=user("Hi again"), max_tokens=5)
+        assert refused.value.status_code == 503

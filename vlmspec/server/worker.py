@@ -182,6 +182,9 @@ class EngineWorker:
         self._send(lambda: self._add(handle, options, taken))
         try:
             handle.request_id = await asyncio.wrap_future(taken)
+        except asyncio.CancelledError:  # the caller went away; the engine may take the request all the same
+            taken.add_done_callback(lambda done: self._loop.call_soon_threadsafe(self._abandoned, handle, done))
+            raise
         except BaseException:
             self._active -= 1
             raise
@@ -191,6 +194,12 @@ class EngineWorker:
         """End the request now (a client went away); its handle still gets its result ("abort")."""
         if handle.result is None and self.alive:
             self._send(lambda: self._abort(handle.request_id))
+
+    def _abandoned(self, handle: RequestHandle, taken: concurrent.futures.Future) -> None:  # event loop
+        if not taken.cancelled() and taken.exception() is None:
+            self.abort(handle)  # it runs: end it; its result still arrives, and is counted, as any other
+        else:
+            self._active -= 1
 
     def _finished(self, handle: RequestHandle, result: GenerationResult) -> None:  # event loop
         self._active -= 1
@@ -214,8 +223,8 @@ class EngineWorker:
                     self._wake.wait()
         except BaseException as err:  # the thread must not die silently: /health and submit() report it
             self.failure = err
+            LOG.critical("the engine thread stopped: %r", err, exc_info=True)
             self._abort_all(error=err)
-            raise
 
     def _run_commands(self) -> int:
         """Run the commands sent so far; returns how many."""
@@ -229,6 +238,8 @@ class EngineWorker:
             done += 1
 
     def _add(self, handle: RequestHandle, options: dict, taken: concurrent.futures.Future) -> None:
+        if not taken.set_running_or_notify_cancel():
+            return  # the caller went away before the engine got to it: nothing to add
         try:
             request_id = self.engine.add_request(**options)
         except Exception as err:  # noqa: BLE001 - bad input: the caller answers 400
