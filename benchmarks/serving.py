@@ -7,7 +7,9 @@ run):
 * ``alone``: the target alone (``--drafter none``): one token per request per step;
 * ``threshold``: the drafter, drafts verified up to the first confidence below ``--threshold``;
 * ``fixed``: the drafter, every draft verified (``--scheduler none``);
-* ``prefix``: Algorithm 1, with a batch SPS table (``--sps``, or measured here first).
+* ``prefix``: Algorithm 1, with a batch SPS table (``--sps``, or measured here first);
+* ``threshold-capped``: ``threshold``, drafting only while at most ``--speculate-up-to``
+  requests run (``vlmspec serve --speculate-up-to``).
 
 At each concurrency level N, N clients (``openai.AsyncOpenAI``, streaming) send
 ``--requests`` chat completions back to back, half with an image (a base64 data URL)
@@ -62,12 +64,13 @@ from benchmarks.common import (
 )
 from benchmarks.concurrency import DEFAULT_PROMPT_SET, workload
 
-VARIANTS = ("alone", "threshold", "fixed", "prefix")
+VARIANTS = ("alone", "threshold", "fixed", "prefix", "threshold-capped")
 SCHEDULER_FLAGS = {
     "alone": ["--drafter", "none"],
     "threshold": ["--scheduler", "threshold"],
     "fixed": ["--scheduler", "none"],
     "prefix": ["--scheduler", "prefix"],
+    "threshold-capped": ["--scheduler", "threshold"],  # and --speculate-up-to
 }
 
 
@@ -85,6 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (answers are compared)")
     parser.add_argument("--threshold", type=float, default=0.5, help="confidence threshold of the threshold variant")
     parser.add_argument("--sps", default=None, help="a batch SPS table for 'prefix' (measured here if omitted)")
+    parser.add_argument(
+        "--speculate-up-to", type=int, default=1, help="'threshold-capped' drafts only while this many requests run"
+    )
     parser.add_argument("--max-batch-size", type=int, default=None, help="the servers' (default: the top level)")
     parser.add_argument("--prompt-set", default=str(DEFAULT_PROMPT_SET), help="text prompts (JSONL with turns)")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for a server")
@@ -122,6 +128,7 @@ def start_server(variant: str, port: int, args: argparse.Namespace, sps: str | N
     command = [sys.executable, "-m", "vlmspec.cli", "serve", "--target", args.target, "--dtype", args.dtype]
     command += ["--drafter", args.drafter, "--threshold", str(args.threshold)] + SCHEDULER_FLAGS[variant]
     command += ["--sps", sps] if variant == "prefix" else []
+    command += ["--speculate-up-to", str(args.speculate_up_to)] if variant == "threshold-capped" else []
     command += ["--port", str(port), "--served-model-name", "bench"]
     command += ["--max-batch-size", str(args.max_batch_size or max(args.levels)), "--max-queued", str(args.requests)]
     log_file = open(out / f"server-{variant}.log", "w")  # closed by ServerProcess.stop

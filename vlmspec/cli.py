@@ -214,6 +214,13 @@ def _add_serve(commands) -> None:
     p.add_argument(
         "--max-queued", type=int, default=64, help="requests waiting for a row beyond those; more get HTTP 429"
     )
+    p.add_argument(
+        "--speculate-up-to",
+        type=int,
+        default=None,
+        help="draft only while at most this many requests run; above, verify the anchors alone (default: always "
+        "draft). On a CPU, where a big batch is compute-bound, 1-2 keeps serving at the target alone's speed",
+    )
     p.add_argument("--default-max-tokens", type=int, default=256, help="when a request sets no max_tokens")
     p.add_argument(
         "--allowed-local-media-path",
@@ -237,7 +244,7 @@ def _run_serve(args) -> int:
         raise ValueError(f"--max-queued must be >= 0, got {args.max_queued}")
     if args.scheduler is None:  # threshold needs confidences: prompt lookup (and no drafter) verify everything
         args.scheduler = "none" if args.drafter in ("none", "prompt-lookup") else "threshold"
-    engine = _engine(args, BatchEngine, max_batch_size=args.max_batch_size)
+    engine = _engine(args, BatchEngine, max_batch_size=args.max_batch_size, speculate_up_to=args.speculate_up_to)
     name = args.served_model_name or Path(str(args.target)).name
     config = ServerConfig(
         model_name=name, max_queued=args.max_queued, default_max_tokens=args.default_max_tokens, allowed_media=media

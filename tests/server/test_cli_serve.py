@@ -15,9 +15,11 @@ def test_serve_builds_the_engine_and_the_config_from_its_flags(monkeypatch, tmp_
     monkeypatch.setattr("vlmspec.server.serve", lambda engine, config, host, port: served.update(locals()))
     args = ["serve", "--target", "tiny:qwen2_vl", "--drafter", "prompt-lookup", "--port", "8123"]
     args += ["--max-batch-size", "4", "--max-queued", "2", "--allowed-local-media-path", str(tmp_path)]
+    args += ["--speculate-up-to", "2"]
     assert main(args) == 0
     engine, config = served["engine"], served["config"]
-    assert engine.max_batch_size == 4 and type(engine.proposer).__name__ == "PromptLookup"
+    assert engine.max_batch_size == 4 and engine.speculate_up_to == 2
+    assert type(engine.proposer).__name__ == "PromptLookup"
     assert type(engine.scheduler).__name__ == "VerifyAll"  # prompt lookup has no confidences to threshold
     assert (config.model_name, config.max_queued, config.allowed_media) == ("tiny:qwen2_vl", 2, tmp_path)
     assert (served["host"], served["port"]) == ("127.0.0.1", 8123)

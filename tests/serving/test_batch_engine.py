@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_drafters import tiny_drafter
 
 from vlmspec.drafters.base import PerRequestProposer
 from vlmspec.drafters.prompt_lookup import PromptLookup
@@ -37,15 +38,20 @@ class ScriptedDrafter(PerRequestProposer):
     def __init__(self, answers: dict[tuple[int, ...], list[int]], gamma: int = 3) -> None:
         self.answers = answers
         self.max_draft_tokens = gamma
+        self.states: list[dict] = []  # every request's state, with the updates it received
 
     def new_state(self) -> dict:
-        return {"answer": None, "generated": 0, "round": 0}
+        self.states.append({"answer": None, "generated": 0, "round": 0, "updates": []})
+        return self.states[-1]
 
     def propose_one(self, state, update: ContextUpdate, params: SamplingParams, generator) -> DraftBlock:
-        if state["answer"] is None:
-            state["answer"] = self.answers[tuple(update.token_ids.tolist())]
+        state["updates"].append(update)
+        tokens = tuple(update.token_ids.tolist())
+        if state["answer"] is None:  # the prompt, and the spans of any steps that skipped drafting
+            prompt = next(p for p in self.answers if tokens[: len(p)] == p)
+            state["answer"], state["generated"] = self.answers[prompt], len(tokens) - len(prompt)
         else:
-            state["generated"] += update.token_ids.shape[0]
+            state["generated"] += len(tokens)
         done = state["generated"] + 1  # tokens the request has committed, the anchor included
         truth = state["answer"][done : done + self.max_draft_tokens]
         drafts = list(truth)
@@ -89,6 +95,58 @@ def test_greedy_outputs_equal_each_request_alone_as_requests_join_and_leave(make
     accepted = sum(r.stats.accepted for r in results)
     assert 0 < accepted < sum(verified) and len(set(verified)) > 2  # ragged: rows verified and kept different counts
     assert not engine.has_unfinished and engine.num_running == 0
+
+
+def test_speculation_pauses_above_speculate_up_to_and_the_drafter_catches_up(make_target, astronaut, coffee):
+    target = make_target("qwen2_vl")
+    requests = request_list(astronaut, coffee)  # 12, 20, 6, 16 and 9 new tokens
+    expected = alone_outputs(target, requests)
+    drafter = scripted(target, requests, expected)
+    engine = BatchEngine(target, drafter, max_batch_size=4, speculate_up_to=2)
+    results = engine.generate_many(requests)
+    assert [r.token_ids for r in results] == expected
+    for result, state in zip(results, drafter.states):
+        updates = state["updates"]
+        if not updates:  # it finished while the batch was too big to draft
+            assert set(result.stats.verified_lengths) == {0}
+            continue
+        positions = torch.cat([u.positions for u in updates])
+        assert torch.equal(positions, torch.arange(int(positions[0]), int(positions[0]) + len(positions)))
+        assert all(u.anchor_position == int(u.positions[-1]) + 1 for u in updates)  # no span lost or repeated
+    paused = [n for r in results[:3] for n in r.stats.verified_lengths[:3]]
+    assert paused == [0] * len(paused)  # 4 running: every step verified the anchors alone
+    # The last to finish drafts again once alone. Its drafter caught up on every skipped span: round k of the
+    # scripted drafter gets exactly k % 4 drafts accepted only when its idea of the context is right.
+    drafting_rounds = len(drafter.states[1]["updates"])
+    assert drafting_rounds >= 3 and results[1].stats.accepted == sum(k % 4 for k in range(drafting_rounds))
+
+
+class VerifyNothing:
+    """A scheduler that verifies no draft: every round commits the target's own next token."""
+
+    def schedule(self, confidences, num_drafted):
+        return torch.zeros_like(num_drafted)
+
+
+def dspark_confidences(target, speculate_up_to):
+    """The confidences a DSpark drafter gives the long request in each round, while a short one runs beside it."""
+    engine = BatchEngine(target, tiny_drafter(target).proposer(), VerifyNothing(), speculate_up_to=speculate_up_to)
+    long_id = engine.add_request(None, "Tell me everything about rain.", max_new_tokens=14)
+    engine.add_request(None, "Hi", max_new_tokens=5)
+    rounds = []
+    while engine.has_unfinished:
+        rounds += [out.record for out in engine.step() if out.request_id == long_id and out.record is not None]
+    return [None if r.confidences is None else r.confidences[: r.drafted] for r in rounds]
+
+
+def test_a_dspark_drafter_drafts_after_skipped_steps_as_if_it_had_drafted_all_along(make_target):
+    target = make_target("qwen2_vl")
+    always = dspark_confidences(target, speculate_up_to=None)
+    paused = dspark_confidences(target, speculate_up_to=1)  # no drafting while both requests run
+    assert paused[0] is None and paused[-1] is not None and len(paused) == len(always)
+    resumed = [k for k, c in enumerate(paused) if c is not None]
+    for k in resumed:  # same committed context, so the same drafter state: the same confidences
+        torch.testing.assert_close(paused[k], always[k], rtol=1e-5, atol=1e-6)
 
 
 def test_step_by_step_with_joins_leaves_and_an_abort(make_target, astronaut, coffee):

@@ -115,12 +115,17 @@ class BatchEngine:
         scheduler: Scheduler | None = None,
         *,
         max_batch_size: int = 32,
+        speculate_up_to: int | None = None,
     ) -> None:
-        if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        _check_positive("max_batch_size", max_batch_size)
+        if speculate_up_to is not None:
+            _check_positive("speculate_up_to", speculate_up_to)
         self.target = target
         self.decoder = SpecDecoder(proposer, scheduler, vocab_size=target.vocab_size)
         self.max_batch_size = max_batch_size
+        # Draft only while at most this many requests run (None: always). Above it a step verifies the anchors
+        # alone: on a compute-bound machine a big batch has no spare compute for drafts.
+        self.speculate_up_to = speculate_up_to
         self._batch = RaggedBatch(target, feature_layers=self.decoder.proposer.feature_layers)
         self._waiting: deque[_Entry] = deque()
         self._running: list[_Entry] = []  # _running[row] holds the request in ragged row `row`
@@ -135,6 +140,7 @@ class BatchEngine:
         *,
         scheduler: Scheduler | None = None,
         max_batch_size: int = 32,
+        speculate_up_to: int | None = None,
         dtype: str | torch.dtype = "float32",
         attn_implementation: str = "sdpa",
         device: str | torch.device = "cpu",
@@ -144,7 +150,8 @@ class BatchEngine:
         ``attn_implementation`` applies to prefills; decode steps use the ragged batch's own attention.
         """
         target = load_target(target_dir, dtype=dtype, attn_implementation=attn_implementation, device=device)
-        return cls(target, load_proposer(drafter, target), scheduler, max_batch_size=max_batch_size)
+        proposer = load_proposer(drafter, target)
+        return cls(target, proposer, scheduler, max_batch_size=max_batch_size, speculate_up_to=speculate_up_to)
 
     @property
     def proposer(self) -> Proposer:
@@ -287,7 +294,9 @@ class BatchEngine:
         drafts = None
         try:
             tick = time.perf_counter()
-            drafts = self.decoder.propose([entry.request for entry in self._running])
+            requests = [entry.request for entry in self._running]
+            drafting = self.speculate_up_to is None or len(requests) <= self.speculate_up_to
+            drafts = self.decoder.propose(requests) if drafting else self.decoder.skip_drafting(requests)
             outputs = self._step(rows, drafts, time.perf_counter() - tick)
         except Exception as batch_error:  # noqa: BLE001 - nothing was committed: find the request that fails
             outputs = self._isolate(rows, drafts, batch_error)
@@ -378,3 +387,8 @@ class BatchEngine:
         return request_id in self._results or any(
             e.request_id == request_id for e in itertools.chain(self._waiting, self._running)
         )
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

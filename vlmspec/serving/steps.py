@@ -76,6 +76,7 @@ class SpecRequest:
     tokenizer: Any = None  # decodes the output's tail for stop strings (needed only with stop strings)
     draft_state: Any = None  # the proposer's own per-request state (proposer.new_state())
     update: ContextUpdate | None = None  # what the proposer absorbs at the start of the next step
+    update_proposed: bool = False  # the proposer has seen ``update`` (False: a skipped step's span still waits)
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "eos", "stop", "length", "abort" or "error"
     error: BaseException | None = None  # why the request failed (finish_reason "error")
@@ -240,12 +241,25 @@ class SpecDecoder:
             [r.params for r in requests],
             [r.generator for r in requests],
         )
+        for request in requests:
+            request.update_proposed = True
         if drafts.tokens.dim() != 2 or drafts.tokens.shape[0] != len(requests):
             raise ValueError(
                 f"{type(self.proposer).__name__}.propose returned tokens of shape {tuple(drafts.tokens.shape)} "
                 f"for {len(requests)} requests; a proposer returns one row per request"
             )
         return drafts
+
+    def skip_drafting(self, requests: Sequence[SpecRequest]) -> DraftBlock:
+        """No drafts this step, without calling the proposer: tokens [R, 0], num_tokens [R] zeros.
+
+        A host calls it instead of :meth:`propose` when drafting would not pay (a large
+        batch on a compute-bound machine). The step then verifies each request's anchor
+        alone, and the span it commits is kept for the proposer, which absorbs every
+        skipped step's span with the next one when drafting resumes.
+        """
+        _check_running(requests)
+        return DraftBlock(torch.zeros(len(requests), 0, dtype=torch.long), torch.zeros(len(requests), dtype=torch.long))
 
     def plan(
         self,
@@ -335,16 +349,32 @@ class SpecDecoder:
             request.stats.record_round(drafted=drafted, verified=verified, accepted=accepted)
             committed = request.commit(plan.input_ids[row, 1 : accepted + 1].tolist() + [next_token])
             kept = slice(0, accepted + 1)  # the anchor and the accepted drafts now have target features
-            request.update = ContextUpdate(
+            update = ContextUpdate(
                 token_ids=plan.input_ids[row, kept].clone(),
                 positions=plan.positions[row, kept].clone(),
                 features=None if features is None else features[row, kept],
                 anchor=committed[-1],
                 anchor_position=int(plan.positions[row, accepted]) + 1,
             )
+            request.update = update if request.update_proposed else _joined(request.update, update)
+            request.update_proposed = False
         except Exception as err:  # noqa: BLE001 - isolated to this request, reported on it
             request.finish("error", err)
         return RoundRecord(drafted, verified, accepted, _row_confidences(plan.drafts.confidences, row), committed)
+
+
+def _joined(earlier: ContextUpdate, later: ContextUpdate) -> ContextUpdate:
+    """One update holding both spans (the proposer skipped ``earlier``'s step), anchored where ``later`` is."""
+    features = None
+    if earlier.features is not None and later.features is not None:
+        features = torch.cat((earlier.features, later.features.to(earlier.features.device)))
+    return ContextUpdate(
+        token_ids=torch.cat((earlier.token_ids, later.token_ids)),
+        positions=torch.cat((earlier.positions, later.positions)),
+        features=features,
+        anchor=later.anchor,
+        anchor_position=later.anchor_position,
+    )
 
 
 def _check_running(requests: Sequence[SpecRequest]) -> None:
