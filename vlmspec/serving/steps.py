@@ -76,7 +76,8 @@ class SpecRequest:
     tokenizer: Any = None  # decodes the output's tail for stop strings (needed only with stop strings)
     draft_state: Any = None  # the proposer's own per-request state (proposer.new_state())
     update: ContextUpdate | None = None  # what the proposer absorbs at the start of the next step
-    update_proposed: bool = False  # the proposer has seen ``update`` (False: a skipped step's span still waits)
+    update_proposed: bool = False  # the proposer has seen ``update``
+    skipped_updates: list[ContextUpdate] = field(default_factory=list)  # spans of steps that skipped drafting
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "eos", "stop", "length", "abort" or "error"
     error: BaseException | None = None  # why the request failed (finish_reason "error")
@@ -237,12 +238,13 @@ class SpecDecoder:
         _check_running(requests)
         drafts = self.proposer.propose(
             [r.draft_state for r in requests],
-            [r.update for r in requests],
+            [_joined([*r.skipped_updates, r.update]) if r.skipped_updates else r.update for r in requests],
             [r.params for r in requests],
             [r.generator for r in requests],
         )
         for request in requests:
             request.update_proposed = True
+            request.skipped_updates.clear()
         if drafts.tokens.dim() != 2 or drafts.tokens.shape[0] != len(requests):
             raise ValueError(
                 f"{type(self.proposer).__name__}.propose returned tokens of shape {tuple(drafts.tokens.shape)} "
@@ -356,24 +358,25 @@ class SpecDecoder:
                 anchor=committed[-1],
                 anchor_position=int(plan.positions[row, accepted]) + 1,
             )
-            request.update = update if request.update_proposed else _joined(request.update, update)
-            request.update_proposed = False
+            if not request.update_proposed:  # this step skipped drafting: keep its span for the proposer
+                request.skipped_updates.append(request.update)
+            request.update, request.update_proposed = update, False
         except Exception as err:  # noqa: BLE001 - isolated to this request, reported on it
             request.finish("error", err)
         return RoundRecord(drafted, verified, accepted, _row_confidences(plan.drafts.confidences, row), committed)
 
 
-def _joined(earlier: ContextUpdate, later: ContextUpdate) -> ContextUpdate:
-    """One update holding both spans (the proposer skipped ``earlier``'s step), anchored where ``later`` is."""
+def _joined(updates: Sequence[ContextUpdate]) -> ContextUpdate:
+    """One update holding consecutive spans (steps that skipped drafting, then the last), anchored as the last is."""
     features = None
-    if earlier.features is not None and later.features is not None:
-        features = torch.cat((earlier.features, later.features.to(earlier.features.device)))
+    if all(u.features is not None for u in updates):
+        features = torch.cat([u.features.to(updates[0].features.device) for u in updates])
     return ContextUpdate(
-        token_ids=torch.cat((earlier.token_ids, later.token_ids)),
-        positions=torch.cat((earlier.positions, later.positions)),
+        token_ids=torch.cat([u.token_ids for u in updates]),
+        positions=torch.cat([u.positions for u in updates]),
         features=features,
-        anchor=later.anchor,
-        anchor_position=later.anchor_position,
+        anchor=updates[-1].anchor,
+        anchor_position=updates[-1].anchor_position,
     )
 
 
