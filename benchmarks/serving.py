@@ -5,6 +5,7 @@ variants run interleaved at every level and their ratios compare numbers measure
 run):
 
 * ``alone``: the target alone (``--drafter none``): one token per request per step;
+* ``default``: the drafter with what ``vlmspec serve`` picks without scheduler flags;
 * ``threshold``: the drafter, drafts verified up to the first confidence below ``--threshold``;
 * ``fixed``: the drafter, every draft verified (``--scheduler none``);
 * ``prefix``: Algorithm 1, with a batch SPS table (``--sps``, or measured here first);
@@ -64,8 +65,9 @@ from benchmarks.common import (
 )
 from benchmarks.concurrency import DEFAULT_PROMPT_SET, workload
 
-VARIANTS = ("alone", "threshold", "fixed", "prefix", "threshold-capped")
+VARIANTS = ("alone", "default", "threshold", "fixed", "prefix", "threshold-capped")
 SCHEDULER_FLAGS = {
+    "default": [],  # what vlmspec serve picks by itself
     "alone": ["--drafter", "none"],
     "threshold": ["--scheduler", "threshold"],
     "fixed": ["--scheduler", "none"],

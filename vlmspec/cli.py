@@ -135,9 +135,10 @@ def _run_demo(args) -> int:
 
 
 def _reference_defaults(args) -> dict:
-    """The SPS table and calibration for the demo's scheduler: the ones measured for the reference pair, unless given.
+    """The SPS table and calibration for the scheduler: the ones measured for the reference pair, unless given.
 
     With another target and no ``--sps``, a hardware-aware scheduler falls back to verifying every draft.
+    A scheduler that reads confidences sees them calibrated: ``--calibration``, or a reference drafter's own.
     """
     from vlmspec.reference import REFERENCE_DRAFTERS, reference_drafter_dir, reference_sps_table
 
@@ -147,7 +148,9 @@ def _reference_defaults(args) -> dict:
         args.scheduler = "none"
         return {}
     options = {"sps": args.sps or (reference_sps_table() if needs_table else None)}
-    if needs_table and args.drafter in REFERENCE_DRAFTERS:
+    if args.calibration is not None:
+        options["calibration"] = args.calibration
+    elif args.scheduler != "none" and args.drafter in REFERENCE_DRAFTERS:
         options["calibration"] = reference_drafter_dir(args.drafter)
     return options
 
@@ -200,9 +203,9 @@ def _add_serve(commands) -> None:
     p = commands.add_parser(
         "serve",
         help="an OpenAI-compatible HTTP server (chat completions) over the batched engine",
-        description="Serve /v1/chat/completions, /v1/models, /health and /metrics. --scheduler defaults to "
-        "threshold for a DSpark drafter (drafts verified up to the first unconfident one) and to none "
-        "(verify every draft) for prompt lookup.",
+        description="Serve /v1/chat/completions, /v1/models, /health and /metrics. Without --scheduler: for the "
+        "reference pair, sps with its measured cost curve and calibration, drafting while one request runs; for "
+        "another DSpark drafter, threshold; for prompt lookup, none (verify every draft).",
     )
     _target_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
@@ -242,16 +245,37 @@ def _run_serve(args) -> int:
         raise FileNotFoundError(f"--allowed-local-media-path {str(media)!r} is not a folder")
     if args.max_queued < 0:
         raise ValueError(f"--max-queued must be >= 0, got {args.max_queued}")
-    if args.scheduler is None:  # threshold needs confidences: prompt lookup (and no drafter) verify everything
-        args.scheduler = "none" if args.drafter in ("none", "prompt-lookup") else "threshold"
+    _serving_defaults(args)
     engine = _engine(args, BatchEngine, max_batch_size=args.max_batch_size, speculate_up_to=args.speculate_up_to)
     name = args.served_model_name or Path(str(args.target)).name
+    cap = "always" if args.speculate_up_to is None else f"up to {args.speculate_up_to} running"
     config = ServerConfig(
         model_name=name, max_queued=args.max_queued, default_max_tokens=args.default_max_tokens, allowed_media=media
     )
-    print(f"serving {name!r} (drafter {args.drafter}, scheduler {args.scheduler}) on http://{args.host}:{args.port}/v1")
+    print(
+        f"serving {name!r} (drafter {args.drafter}, scheduler {args.scheduler}, drafting {cap}) "
+        f"on http://{args.host}:{args.port}/v1"
+    )
     serve(engine, config, host=args.host, port=args.port)
     return 0
+
+
+def _serving_defaults(args) -> None:
+    """The scheduler, and when to draft, that ``vlmspec serve`` picks when the flags leave them open.
+
+    The reference pair: SPS argmax with its measured single-request cost curve, drafting only while one
+    request runs (the curve describes one request; a batch needs ``--sps`` from ``vlmspec profile
+    --requests``). Another DSpark drafter: the threshold scheduler. Prompt lookup has no confidences:
+    every draft is verified.
+    """
+    from vlmspec.reference import REFERENCE_DRAFTERS
+
+    if args.scheduler is None:
+        if args.target == "reference" and args.drafter in REFERENCE_DRAFTERS and args.sps is None:
+            args.scheduler = "sps"
+            args.speculate_up_to = args.speculate_up_to or 1
+        else:
+            args.scheduler = "none" if args.drafter in ("none", "prompt-lookup") else "threshold"
 
 
 # ----------------------------------------------------------------------------------- profile
@@ -370,6 +394,12 @@ def _scheduler_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threshold", type=float, default=0.5, help="confidence threshold (threshold scheduler)")
     p.add_argument("--sps", default=None, help="SPS table JSON or preset (sps, prefix, lagged-topk schedulers)")
+    p.add_argument(
+        "--calibration",
+        default=None,
+        help="a drafter directory or calibration.json: the scheduler sees calibrated confidences "
+        "(with a reference drafter, its own calibration is the default)",
+    )
 
 
 def _generation_options(p: argparse.ArgumentParser) -> None:
@@ -397,7 +427,7 @@ def _engine(args, engine_class=None, **options):
     from vlmspec.engine import SpecEngine
     from vlmspec.scheduling.factory import build_scheduler
 
-    scheduler = build_scheduler(args.scheduler, threshold=args.threshold, sps=args.sps)
+    scheduler = build_scheduler(args.scheduler, threshold=args.threshold, **_reference_defaults(args))
     drafter = None if args.drafter == "none" else args.drafter
     return (engine_class or SpecEngine).from_pretrained(
         args.target,

@@ -26,6 +26,17 @@ def test_serve_builds_the_engine_and_the_config_from_its_flags(monkeypatch, tmp_
     assert "http://127.0.0.1:8123/v1" in capsys.readouterr().out
 
 
+def test_serve_defaults_for_the_reference_pair_read_its_measured_curve_and_calibration(monkeypatch):
+    served = {}
+    monkeypatch.setattr("vlmspec.server.serve", lambda engine, config, host, port: served.update(locals()))
+    assert main(["serve", "--target", "reference", "--drafter", "reference"]) == 0
+    engine = served["engine"]
+    assert engine.speculate_up_to == 1  # the curve describes one request
+    scheduler = engine.scheduler
+    assert type(scheduler).__name__ == "CalibratedScheduler"
+    assert type(scheduler.inner).__name__ == "SPSArgmaxScheduler"
+
+
 def test_serve_refuses_a_media_folder_that_does_not_exist(tmp_path, capsys):
     args = ["serve", "--target", "tiny:qwen2_vl", "--allowed-local-media-path", str(tmp_path / "missing")]
     assert main(args) == 2
