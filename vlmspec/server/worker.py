@@ -141,6 +141,11 @@ class EngineWorker:
         return self._active
 
     @property
+    def num_tracked(self) -> int:
+        """Requests the worker thread follows in the engine (added, result not yet delivered)."""
+        return len(self._handles)
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 

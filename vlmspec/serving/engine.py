@@ -225,6 +225,11 @@ class BatchEngine:
         """Requests queued for a free row of the batch."""
         return len(self._waiting)
 
+    @property
+    def num_results(self) -> int:
+        """Finished requests whose result has not been popped (``result(id, pop=True)``)."""
+        return len(self._results)
+
     def result(self, request_id: str, *, pop: bool = False) -> GenerationResult:
         """The result of a finished request (``pop=True`` also forgets it)."""
         if request_id not in self._results:
