@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from vlmspec.serving.text import TextDeltas
 
@@ -40,3 +41,11 @@ def test_text_that_only_looked_like_a_stop_string_comes_out_at_the_end(tokenizer
     assert not out[-2].endswith("STO")  # held back while it could become "STOP"
     assert "".join(out) == deltas.text == "Wait for it: STO"
     assert len(deltas) == len(token_ids)
+
+
+@pytest.mark.parametrize("step", [1, 5])
+def test_incremental_decoding_equals_decoding_everything_at_once(tokenizer, step):
+    generator = torch.Generator().manual_seed(0)
+    token_ids = torch.randint(0, 151_000, (400,), generator=generator).tolist()  # byte tokens, CJK, emoji pieces...
+    out, deltas = pieces(tokenizer, token_ids, step=step)
+    assert "".join(out) == deltas.text == tokenizer.decode(token_ids)
