@@ -30,6 +30,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -145,18 +146,19 @@ class SpecEngine:
         iterates over the rounds' :class:`~vlmspec.types.RoundRecord` instead of text.
         """
         decoder = self.decoder if speculative else self._alone
-        request = decoder.new_request(
-            eos_token_ids=self.target.eos_token_ids,
-            tokenizer=self.target.tokenizer,
+        request, inputs = new_request(
+            self.target,
+            decoder,
+            images,
+            prompt,
+            messages=messages,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
             seed=seed,
             stop=stop,
-            device=self.target.device,
         )
-        inputs = self.target.build_inputs(images, prompt, messages=messages)
         return GenerationStream(self, request, inputs.length, self._decode(inputs, decoder, request))
 
     # ---------------------------------------------------------------- the loop
@@ -185,6 +187,26 @@ class SpecEngine:
             raise request.error
         end_at_context(self.target, request, state.length)
         return accepted.records[0]
+
+
+def new_request(
+    target: QwenVLTarget,
+    decoder: SpecDecoder,
+    images: ImageLike | Sequence[ImageLike] | None,
+    prompt: str | None,
+    *,
+    messages: list[dict] | None,
+    **sampling: Any,
+) -> tuple[SpecRequest, TargetInputs]:
+    """A step-API request that stops as ``target`` does (its EOS ids, tokenizer, device), and its processed inputs.
+
+    ``sampling``: max_new_tokens, temperature, top_k, top_p, seed, stop. Both are validated
+    here, so bad input raises before anything runs.
+    """
+    request = decoder.new_request(
+        eos_token_ids=target.eos_token_ids, tokenizer=target.tokenizer, device=target.device, **sampling
+    )
+    return request, target.build_inputs(images, prompt, messages=messages)
 
 
 def prefill_request(

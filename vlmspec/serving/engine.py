@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from vlmspec.drafters.base import Proposer
-from vlmspec.engine import context_room, end_at_context, load_proposer, prefill_request
+from vlmspec.engine import context_room, end_at_context, load_proposer, new_request, prefill_request
 from vlmspec.scheduling.base import Scheduler
 from vlmspec.serving.steps import SpecDecoder, SpecRequest
 from vlmspec.targets.adapter import QwenVLTarget, load_target
@@ -187,18 +187,19 @@ class BatchEngine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if self._known(request_id):
             raise ValueError(f"request id {request_id!r} is already in use; pick another or let the engine choose")
-        request = self.decoder.new_request(
-            eos_token_ids=self.target.eos_token_ids,
-            tokenizer=self.target.tokenizer,
+        request, inputs = new_request(
+            self.target,
+            self.decoder,
+            images,
+            prompt,
+            messages=messages,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
             seed=seed,
             stop=stop,
-            device=self.target.device,
         )
-        inputs = self.target.build_inputs(images, prompt, messages=messages)
         self._waiting.append(_Entry(request_id, request, inputs, time.perf_counter(), inputs.length))
         return request_id
 
