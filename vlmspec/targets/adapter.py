@@ -40,6 +40,9 @@ SUPPORTED_MODEL_TYPES = {
     "qwen3_vl_moe": "qwen3_vl",
 }
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+# How decode/verify forwards run: "fast" (vlmspec.targets.packed, prepacked weights) or
+# "reference" (transformers' own forward, the eager reference the fast one is tested against).
+DECODE_MODES = ("fast", "reference")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -73,7 +76,7 @@ class QwenVLTarget:
     have: ``QwenVLTarget(model, processor)``.
     """
 
-    def __init__(self, model: nn.Module, processor, *, name: str | None = None) -> None:
+    def __init__(self, model: nn.Module, processor, *, name: str | None = None, decode: str = "fast") -> None:
         model_type = getattr(model.config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -91,6 +94,8 @@ class QwenVLTarget:
         # transformers 5.x renamed `past_key_values` to `cache`; accept both generations.
         forward_parameters = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_parameters else "past_key_values"
+        self.decode = check_decode_mode(decode)
+        self._packed = None  # the PackedDecoder, built on the first fast forward
         self._image_token_ids = {
             getattr(model.config, "image_token_id", None),
             getattr(model.config, "video_token_id", None),
@@ -105,8 +110,12 @@ class QwenVLTarget:
         dtype: str | torch.dtype = "float32",
         attn_implementation: str = "sdpa",
         device: str | torch.device = "cpu",
+        decode: str = "fast",
     ) -> QwenVLTarget:
-        """Load a Qwen-VL model and its processor from a local directory (no hub access)."""
+        """Load a Qwen-VL model and its processor from a local directory (no hub access).
+
+        ``decode`` picks how decode/verify forwards run (:data:`DECODE_MODES`).
+        """
         from transformers import AutoConfig, AutoModelForImageTextToText
 
         path = Path(path)
@@ -129,11 +138,23 @@ class QwenVLTarget:
         model = AutoModelForImageTextToText.from_pretrained(
             path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, local_files_only=True
         ).to(device)
-        return cls(model, load_processor(path, config.model_type), name=str(path))
+        return cls(model, load_processor(path, config.model_type), name=str(path), decode=decode)
 
     def to_device(self, device: str | torch.device) -> QwenVLTarget:
         self.model.to(device)
+        self._packed = None  # packed weights are per device
         return self
+
+    def packed_decoder(self):
+        """The fast decode forward over this model's weights (:mod:`vlmspec.targets.packed`).
+
+        Built on first use and again whenever a weight has changed since (in place or replaced).
+        """
+        if self._packed is None or not self._packed.matches():
+            from vlmspec.targets.packed import PackedDecoder
+
+            self._packed = PackedDecoder(self.model)
+        return self._packed
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Save model, tokenizer, image processor and chat template so :meth:`from_pretrained` reloads them."""
@@ -411,6 +432,7 @@ def load_target(
     dtype: str | torch.dtype = "float32",
     attn_implementation: str = "sdpa",
     device: str | torch.device = "cpu",
+    decode: str = "fast",
 ) -> QwenVLTarget:
     """A target from a local model directory, the reference model, or a random-init Qwen-VL.
 
@@ -429,12 +451,21 @@ def load_target(
         from vlmspec.targets.tiny import tiny_target
 
         target = tiny_target(family, dtype=resolve_dtype(dtype), **RANDOM_TARGET_SIZES[kind])
+        target.decode = check_decode_mode(decode)
         return target.to_device(device)
-    return QwenVLTarget.from_pretrained(spec, dtype=dtype, attn_implementation=attn_implementation, device=device)
+    return QwenVLTarget.from_pretrained(
+        spec, dtype=dtype, attn_implementation=attn_implementation, device=device, decode=decode
+    )
 
 
 RANDOM_TARGET_SIZES = {"tiny": {}, "small": {"hidden_size": 512, "num_layers": 8}}
 REFERENCE_SPEC = "reference"
+
+
+def check_decode_mode(decode: str) -> str:
+    if decode not in DECODE_MODES:
+        raise ValueError(f"decode must be one of {', '.join(map(repr, DECODE_MODES))}, got {decode!r}")
+    return decode
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -159,21 +159,12 @@ class RaggedBatch:
         self._reserve(rows=self.num_rows, slots=int((self.lengths + num_tokens).max()))
         device = self.target.device
         packed_ids = tokens.cpu()[layout.rows, layout.offsets].to(device)  # [B]
-        mrope = positions[layout.rows, layout.offsets].to(device).view(1, 1, -1).expand(3, 1, -1)  # [3, 1, B]
-        cache = _RaggedCache(self._keys, self._values, layout)
-        with self.target._capture(self.feature_layers) as captured, _ragged_attention(self.target, layout):
-            out = self.target.model(
-                input_ids=packed_ids[None],
-                position_ids=mrope,
-                **{self.target._cache_kwarg: cache},
-                use_cache=True,
-            )
+        packed_positions = positions[layout.rows, layout.offsets].to(device)  # [B], all three M-RoPE components
+        forward = self._fast_forward if self.target.decode == "fast" else self._reference_forward
+        packed_logits, packed_features = forward(packed_ids, packed_positions, layout)
         gather = _padding_gather(layout, device)  # [R * W] packed index of each padded slot
-        logits = out.logits[0].float()[gather].view(self.num_rows, width, -1)
-        features = None
-        if self.feature_layers:
-            packed = torch.cat([captured[i][0] for i in self.feature_layers], dim=-1)  # [B, m * d]
-            features = packed[gather].view(self.num_rows, width, -1)
+        logits = packed_logits[gather].view(self.num_rows, width, -1)
+        features = None if packed_features is None else packed_features[gather].view(self.num_rows, width, -1)
         self._pending = num_tokens
         return RaggedStep(logits=logits, features=features, positions=positions)
 
@@ -190,6 +181,34 @@ class RaggedBatch:
         self._pending = None
 
     # ------------------------------------------------------------ internals
+    def _fast_forward(self, ids: torch.Tensor, positions: torch.Tensor, layout: _Layout):
+        """vlmspec's packed decoder (prepacked weights): logits [B, V] float32, features [B, m * d] or None."""
+        cache = _RaggedCache(self._keys, self._values, layout)
+
+        def write_kv(layer: int, k: torch.Tensor, v: torch.Tensor):  # k, v: [B, Hkv, hd]
+            return cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], layer)
+
+        def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+            return attend_rows(q, keys, values, layout, scaling)  # [B, H, hd]
+
+        return self.target.packed_decoder()(ids, positions, write_kv, attend, self.feature_layers)
+
+    def _reference_forward(self, ids: torch.Tensor, positions: torch.Tensor, layout: _Layout):
+        """transformers' own forward with the ragged attention: logits [B, V] float32, features [B, m * d] or None."""
+        mrope = positions.view(1, 1, -1).expand(3, 1, -1)  # [3, 1, B]
+        cache = _RaggedCache(self._keys, self._values, layout)
+        with self.target._capture(self.feature_layers) as captured, _ragged_attention(self.target, layout):
+            out = self.target.model(
+                input_ids=ids[None],
+                position_ids=mrope,
+                **{self.target._cache_kwarg: cache},
+                use_cache=True,
+            )
+        features = None
+        if self.feature_layers:
+            features = torch.cat([captured[i][0] for i in self.feature_layers], dim=-1)
+        return out.logits[0].float(), features
+
     def _check_inputs(self, tokens: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:  # [R, W], [R] -> [R] CPU
         if tokens.dim() != 2 or tokens.shape[0] != self.num_rows or tokens.dtype.is_floating_point:
             raise ValueError(
@@ -293,12 +312,23 @@ def ragged_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:  # [1, B, H, hd]
     """Attention of packed ragged rows: each row's queries over its own buffer row, padded to [R, H, W, hd]."""
-    layout = _current_layout[-1]
-    heads, dim = query.shape[1], query.shape[3]
+    attended = attend_rows(query[0].transpose(0, 1), key, value, _current_layout[-1], scaling)  # [B, H, hd]
+    return attended[None], None
+
+
+def attend_rows(
+    query: torch.Tensor,  # [B, H, hd] packed, rotated queries
+    key: torch.Tensor,  # [R_cap, Hkv, S_cap, hd] one layer's whole key buffer (new keys written)
+    value: torch.Tensor,  # [R_cap, Hkv, S_cap, hd]
+    layout: _Layout,
+    scaling: float | None,
+) -> torch.Tensor:  # [B, H, hd]
+    """Each row's queries over its own buffer row's valid slots, padded to [R, H, W, hd] for one SDPA call."""
+    heads, dim = query.shape[1], query.shape[2]
     rows, width, slots = layout.num_rows, layout.width, layout.keys
     padded_index = layout.padded.to(query.device)
     padded = query.new_zeros(rows * width, heads, dim)
-    padded[padded_index] = query[0].transpose(0, 1)  # [B, H, hd]
+    padded[padded_index] = query
     padded = padded.view(rows, width, heads, dim).transpose(1, 2)  # [R, H, W, hd]
     out = F.scaled_dot_product_attention(
         padded,
@@ -308,8 +338,7 @@ def ragged_attention(
         scale=scaling,
         enable_gqa=heads != key.shape[1],
     )  # [R, H, W, hd]
-    packed = out.transpose(1, 2).reshape(rows * width, heads, dim)[padded_index]  # [B, H, hd]
-    return packed[None], None
+    return out.transpose(1, 2).reshape(rows * width, heads, dim)[padded_index]
 
 
 @contextmanager

@@ -1,0 +1,92 @@
+"""The fast decode forward (prepacked weights) against transformers' own forward, for every family."""
+
+import pytest
+import torch
+
+from vlmspec import SpecEngine
+from vlmspec.drafters.prompt_lookup import PromptLookup
+from vlmspec.targets.adapter import QwenVLTarget
+from vlmspec.targets.packed import PackedLinear, can_pack
+from vlmspec.targets.ragged import RaggedBatch
+
+LAYERS = (0, 2)
+
+
+def ragged_steps(target: QwenVLTarget, decode: str, inputs, steps):
+    """Logits and features of a few ragged steps over the prefilled prompts, in one decode mode."""
+    target.decode = decode
+    try:
+        batch = RaggedBatch(target, feature_layers=LAYERS, initial_capacity=8)
+        for prompt in inputs:
+            batch.add(target.prefill(prompt, feature_layers=LAYERS)[0])
+        out = []
+        for tokens, num_tokens, keep in steps:
+            step = batch.verify(tokens, num_tokens)
+            out.append(step)
+            batch.advance(keep)
+        return out
+    finally:
+        target.decode = "fast"
+
+
+def test_fast_forward_equals_transformers_forward_with_images_and_ragged_rows(make_target, family, astronaut):
+    target = make_target(family)
+    inputs = [
+        target.build_inputs(astronaut.resize((64, 64)), "Describe it."),  # rope_delta != 0 after the image
+        target.build_inputs(None, "Name three colours of the rainbow."),
+    ]
+    steps = [
+        (torch.tensor([[11, 12, 13], [14, 0, 0]]), torch.tensor([3, 1]), torch.tensor([2, 1])),
+        (torch.tensor([[15, 16], [17, 18]]), torch.tensor([1, 2]), torch.tensor([1, 0])),
+        (torch.tensor([[19, 20, 21, 22]] * 2), torch.tensor([4, 4]), torch.tensor([4, 3])),
+    ]
+    fast = ragged_steps(target, "fast", inputs, steps)
+    reference = ragged_steps(target, "reference", inputs, steps)
+    for f, r, (_, num_tokens, _) in zip(fast, reference, steps):
+        for row, n in enumerate(num_tokens.tolist()):
+            torch.testing.assert_close(f.logits[row, :n], r.logits[row, :n], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(f.features[row, :n], r.features[row, :n], atol=1e-4, rtol=1e-4)
+        assert torch.equal(f.positions, r.positions)
+
+
+def test_greedy_output_is_the_same_in_both_decode_modes(make_target, family, astronaut):
+    target = make_target(family)
+    engine = SpecEngine(target, PromptLookup())
+    outputs = {}
+    for decode in ("fast", "reference"):
+        target.decode = decode
+        outputs[decode] = engine.generate(astronaut.resize((64, 64)), "Describe it.", max_new_tokens=24).token_ids
+    target.decode = "fast"
+    assert outputs["fast"] == outputs["reference"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_computes_the_fused_linear(dtype):
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, 32, generator=generator).to(dtype) for n in (48, 16)]
+    biases = [torch.randn(48, generator=generator).to(dtype), None]
+    linear = PackedLinear(weights, biases)
+    assert linear.out_features == 64
+    assert linear.packed == can_pack(weights[0])
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, 32, generator=generator).to(dtype)
+        expected = torch.cat(
+            [x.float() @ weights[0].float().T + biases[0].float(), x.float() @ weights[1].float().T], 1
+        )
+        tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(linear(x).float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_an_unknown_decode_mode_is_refused(make_target):
+    target = make_target("qwen2_vl")
+    with pytest.raises(ValueError, match="'fast', 'reference'"):
+        QwenVLTarget(target.model, target.processor, decode="compiled")
+
+
+def test_weights_changed_in_place_are_repacked(make_target):
+    target = make_target("qwen2_vl", hidden_size=64)  # its own copy: the weights are edited below
+    first = target.packed_decoder()
+    assert target.packed_decoder() is first
+    with torch.no_grad():
+        target.model.lm_head.weight.mul_(1.0)  # any in-place write counts
+    assert target.packed_decoder() is not first

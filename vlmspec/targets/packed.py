@@ -1,0 +1,190 @@
+"""The fast decode/verify forward: the target's text decoder over prepacked weights.
+
+A Hugging Face eager forward of a small model on a CPU spends most of a decode step in
+its matrix-vector products, and ATen's ``F.linear`` reads an ``[N, K]`` weight at well
+under the machine's memory bandwidth when it multiplies one or a few rows. On the
+2-core AMD EPYC (AVX2) that runs this project's tests, the reference target's LM head
+(576 x 49,156, float32) costs 15.3 ms for 1 row and 43 ms for 8 through ``F.linear``,
+and 10.8 ms and 12.7 ms through oneDNN with the weight reordered once for a batch of 8
+(``benchmarks/target_step.py`` measures the whole step). So verifying 8 tokens costs
+about what one costs, which is what speculation needs (the T_verify term of the
+performance model, docs/design.md §21).
+
+:class:`PackedDecoder` runs the language model's decoder layers itself, for text tokens
+after a prefill (decode and verify):
+
+* every linear layer goes through a :class:`PackedLinear` (q/k/v fused into one, gate
+  and up into one), prepacked for oneDNN where the CPU supports the dtype, else plain
+  ``F.linear`` (GPUs, bfloat16 on a CPU without AVX-512);
+* the norms, the activation and the q/k norms of Qwen3-VL are the model's own modules,
+  so they compute exactly what transformers computes;
+* positions are 1-D: after the prompt every token of a Qwen-VL request sits at the same
+  M-RoPE position in all three components, so both M-RoPE layouts (sectioned and
+  interleaved) reduce to plain RoPE over the model's own ``inv_freq``;
+* keys and values go straight into the runner's preallocated KV buffers, and attention
+  reads only each row's valid slots (:func:`vlmspec.targets.ragged.attend_rows`).
+
+It computes what transformers computes up to float rounding (oneDNN sums in another
+order): greedy outputs agree except at numerical ties, which the benchmarks count. The
+reference mode of the runner (``decode="reference"``) runs transformers' own forward.
+
+What it does not know: vision (prefills with images run through transformers), requests,
+scheduling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# oneDNN reorders a weight for an expected number of rows; 8 is the verify width of a
+# speculative round, and measured faster than 1 for 4-16 rows at a small cost for 1.
+PACKING_ROWS = 8
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether oneDNN can prepack this weight on this machine (CPU, float32, or bfloat16 with AVX-512)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return weight.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class PackedLinear:
+    """``y = x @ W.T + b`` for ``W = cat(weights)``, prepacked once for oneDNN where it can be.
+
+    A bfloat16 weight on a CPU without native bfloat16 stays ATen's: a float32 prepacked
+    copy for several rows was tried and measured slower on the AVX2 machine (it reads
+    twice the bytes).
+    """
+
+    def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> None:
+        weight = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()  # [N, K]
+        self.bias = None
+        if any(b is not None for b in biases):
+            parts = [b.detach() if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)]
+            self.bias = torch.cat(parts)  # [N]
+        self.packed = can_pack(weight)
+        self.weight = _reorder(weight) if self.packed else weight
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [B, K] -> [B, N]
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_ROWS)
+
+
+def _linear(*modules: nn.Linear) -> PackedLinear:
+    return PackedLinear([m.weight for m in modules], [m.bias for m in modules])
+
+
+class _Layer:
+    """One decoder layer's fused linears and the model's own norms and activation."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.qkv = _linear(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.out = _linear(attn.o_proj)
+        self.gate_up = _linear(mlp.gate_proj, mlp.up_proj)
+        self.down = _linear(mlp.down_proj)
+        self.act = mlp.act_fn
+        self.q_norm = getattr(attn, "q_norm", None)  # Qwen3-VL normalises q and k per head
+        self.k_norm = getattr(attn, "k_norm", None)
+        self.split = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
+
+
+class PackedDecoder:
+    """The target's text decoder for packed decode/verify tokens (see the module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        text = model.model.language_model
+        config = text.config
+        rope = config.rope_parameters or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(
+                f"the fast decode path implements default RoPE, not {rope.get('rope_type')!r}; "
+                "load the target with decode='reference'"
+            )
+        # The packed weights are copies: remember what they were copied from, so that a weight
+        # changed in place (loading, fine-tuning) or moved is noticed (see `matches`).
+        self._sources = list(model.parameters())
+        self._stamp = self._source_stamp()
+        self.embed = text.embed_tokens
+        self.norm = text.norm
+        self.layers = [_Layer(layer) for layer in text.layers]
+        self.head = _linear(model.get_output_embeddings())
+        self.inv_freq = text.rotary_emb.inv_freq.detach().float()  # [hd / 2]
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scaling = self.head_dim**-0.5
+
+    def matches(self) -> bool:
+        """Whether the model's weights are still the ones packed (same storage, unmodified since).
+
+        In-place writes and new storage are noticed; new storage that happens to reuse the old
+        address with a fresh version counter (``model.to(dtype)`` and back) is not: call
+        :meth:`QwenVLTarget.to_device` (or build a new target) after such a conversion.
+        """
+        return self._source_stamp() == self._stamp
+
+    def _source_stamp(self) -> list[tuple[int, int]]:
+        return [(p.data_ptr(), p._version) for p in self._sources]
+
+    @property
+    def packed(self) -> bool:
+        """Whether the linears run through oneDNN (else ``F.linear``)."""
+        return self.head.packed
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        ids: torch.Tensor,  # [B] int64 packed input tokens
+        positions: torch.Tensor,  # [B] int64 their (1-D = M-RoPE) positions
+        write_kv,  # (layer, k [B, Hkv, hd], v [B, Hkv, hd]) -> (key buffer, value buffer)
+        attend,  # (q [B, H, hd], key buffer, value buffer, scaling) -> [B, H, hd]
+        feature_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [B, V] float32, features [B, m * d] or None
+        """Logits (and hooked decoder-layer outputs) of the packed tokens; writes their K/V through ``write_kv``."""
+        n = ids.shape[0]
+        hidden = self.embed(ids)  # [B, d]
+        cos, sin = self._rotary(positions, hidden.dtype)
+        captured = {}
+        for index, layer in enumerate(self.layers):
+            x = layer.input_norm(hidden)
+            q, k, v = layer.qkv(x).split(layer.split, dim=-1)
+            q = q.view(n, self.heads, self.head_dim)
+            k = k.view(n, self.kv_heads, self.head_dim)
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            keys, values = write_kv(index, k, v.view(n, self.kv_heads, self.head_dim))
+            attended = attend(q, keys, values, self.scaling)  # [B, H, hd]
+            hidden = hidden + layer.out(attended.reshape(n, -1))
+            gate, up = layer.gate_up(layer.post_norm(hidden)).chunk(2, dim=-1)
+            hidden = hidden + layer.down(layer.act(gate) * up)
+            if index in feature_layers:
+                captured[index] = hidden
+        logits = self.head(self.norm(hidden)).float()
+        features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
+        return logits, features
+
+    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [B, 1, hd] as transformers computes them (float32, then the model's dtype)."""
+        freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None]  # [B, hd / 2]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, hd]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x: [B, heads, hd]
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
