@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from vlmspec.scheduling.factory import SCHEDULERS, describe_schedulers
+from vlmspec.targets.adapter import DECODE_MODES
 
 DEMO_PROMPT = "Describe the image."
 # A GSM8K-style question outside the prompts the reference drafter trained on.
@@ -147,7 +148,7 @@ def _reference_defaults(args) -> dict:
         print(f"note: no --sps table for {args.target}: verifying every draft (scheduler none)", file=sys.stderr)
         args.scheduler = "none"
         return {}
-    options = {"sps": args.sps or (reference_sps_table() if needs_table else None)}
+    options = {"sps": args.sps or (reference_sps_table(args.dtype) if needs_table else None)}
     if args.calibration is not None:
         options["calibration"] = args.calibration
     elif args.scheduler != "none" and args.drafter in REFERENCE_DRAFTERS:
@@ -305,7 +306,11 @@ def _run_profile(args) -> int:
     from vlmspec.targets.profile import profile_target, profile_target_batched
 
     target = load_target(
-        args.target, dtype=args.dtype, attn_implementation=args.attn_implementation, device=args.device
+        args.target,
+        dtype=args.dtype,
+        attn_implementation=args.attn_implementation,
+        device=args.device,
+        decode=args.decode,
     )
     if args.requests:
         requests = _int_list(args.requests, "--requests")
@@ -373,15 +378,29 @@ def _run_simulate(args) -> int:
 
 # ----------------------------------------------------------------------------------- helpers
 def _target_options(p: argparse.ArgumentParser, drafter: bool = True) -> None:
-    p.add_argument("--target", required=True, help="a Qwen-VL model directory, or tiny:FAMILY for a random tiny model")
+    p.add_argument(
+        "--target",
+        required=True,
+        help="'reference' (the bundled real-weights target), a Qwen-VL model directory, or tiny:FAMILY "
+        "for a random tiny model",
+    )
     if drafter:
         p.add_argument(
-            "--drafter", default="prompt-lookup", help="'prompt-lookup', 'none' or a DSpark drafter directory"
+            "--drafter",
+            default="prompt-lookup",
+            help="'prompt-lookup', 'none', 'reference' / 'reference-dflash' (the bundled drafters) "
+            "or a DSpark drafter directory",
         )
         _scheduler_options(p)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--attn-implementation", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"))
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--decode",
+        default="fast",
+        choices=DECODE_MODES,
+        help="decode/verify forward: 'fast' (prepacked weights) or 'reference' (transformers' own forward)",
+    )
 
 
 def _scheduler_options(p: argparse.ArgumentParser) -> None:
@@ -436,6 +455,7 @@ def _engine(args, engine_class=None, **options):
         dtype=args.dtype,
         attn_implementation=args.attn_implementation,
         device=args.device,
+        decode=args.decode,
         **options,
     )
 

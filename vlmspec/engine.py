@@ -15,8 +15,9 @@ Each round is reported as a :class:`~vlmspec.types.RoundRecord` (drafted, verifi
 accepted, the confidences the scheduler saw, the committed tokens):
 ``engine.stream(...).records()`` yields them as they happen. The request's own state
 (sampling, generator, the drafter's state, its output) is a
-:class:`~vlmspec.serving.steps.SpecRequest`; the target's cache and positions are a
-:class:`~vlmspec.targets.adapter.RequestState`.
+:class:`~vlmspec.serving.steps.SpecRequest`; after the prefill, the target's KV cache and
+positions are one row of the runner that ``BatchEngine`` drives with many
+(:class:`~vlmspec.targets.ragged.RaggedBatch`), so both run the same decode/verify forward.
 
 What it does not know: Hugging Face, M-RoPE, processors (that is ``vlmspec.targets``);
 how drafts are made (``vlmspec.drafters``); acceptance rules (``vlmspec.verify``).
@@ -40,6 +41,7 @@ from vlmspec.serving.steps import SpecDecoder, SpecRequest
 from vlmspec.serving.text import TextDeltas
 from vlmspec.targets.adapter import QwenVLTarget, RequestState, load_target, prefill_output
 from vlmspec.targets.inputs import ImageLike, TargetInputs
+from vlmspec.targets.ragged import RaggedBatch
 from vlmspec.types import GenerationResult, RoundRecord
 
 
@@ -75,6 +77,7 @@ class SpecEngine:
         dtype: str | torch.dtype = "float32",
         attn_implementation: str = "sdpa",
         device: str | torch.device = "cpu",
+        decode: str = "fast",
     ) -> SpecEngine:
         """Load a target from a local directory (or ``tiny:FAMILY``) and attach a drafter.
 
@@ -84,7 +87,9 @@ class SpecEngine:
         for the reference target), the directory of a saved DSpark drafter, or any object
         implementing the Proposer protocol.
         """
-        target = load_target(target_dir, dtype=dtype, attn_implementation=attn_implementation, device=device)
+        target = load_target(
+            target_dir, dtype=dtype, attn_implementation=attn_implementation, device=device, decode=decode
+        )
         return cls(target, load_proposer(drafter, target), scheduler)
 
     # ------------------------------------------------------------------ public
@@ -167,25 +172,29 @@ class SpecEngine:
         started = time.perf_counter()
         state = prefill_request(self.target, decoder, request, inputs)
         yield None
-        while not request.finished:
-            yield self._round(decoder, request, state)
+        if not request.finished:
+            # One row of the runner that BatchEngine uses: the same KV memory and packed forward.
+            batch = RaggedBatch(self.target, feature_layers=decoder.proposer.feature_layers)
+            batch.add(state)
+            while not request.finished:
+                yield self._round(decoder, request, batch)
         request.stats.total_s = time.perf_counter() - started
 
-    def _round(self, decoder: SpecDecoder, request: SpecRequest, state: RequestState) -> RoundRecord:
-        """One step of the step API for this one request; its state moves on to the next round."""
+    def _round(self, decoder: SpecDecoder, request: SpecRequest, batch: RaggedBatch) -> RoundRecord:
+        """One step of the step API for this one request (row 0 of ``batch``)."""
         tick = time.perf_counter()
-        plan = decoder.plan([request], decoder.propose([request]), room=[context_room(self.target, state.length)])
+        room = [context_room(self.target, int(batch.lengths[0]))]
+        plan = decoder.plan([request], decoder.propose([request]), room=room)
         tock = time.perf_counter()
         request.stats.draft_s += tock - tick
 
-        step = self.target.verify(state, plan.input_ids[0, : int(plan.num_inputs[0])])
-        features = None if step.features is None else step.features[None]
-        accepted = decoder.accept([request], plan, step.logits[None], features)
-        self.target.rollback(state, keep=int(accepted.keep[0]))
+        step = batch.verify(plan.input_ids, plan.num_inputs)
+        accepted = decoder.accept([request], plan, step.logits, step.features)
+        batch.advance(accepted.keep)
         request.stats.verify_s += time.perf_counter() - tock
         if request.error is not None:
             raise request.error
-        end_at_context(self.target, request, state.length)
+        end_at_context(self.target, request, int(batch.lengths[0]))
         return accepted.records[0]
 
 

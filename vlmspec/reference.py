@@ -157,15 +157,19 @@ def reference_assets_dir(path: str | os.PathLike | None = None) -> Path:
 REFERENCE_DRAFTERS = {"reference": "dspark", "reference-dflash": "dflash"}
 
 
-def reference_sps_table() -> Path:
-    """The reference target's SPS curve (float32, 2 CPU threads, context 256), measured with ``vlmspec profile``.
+def reference_sps_table(dtype: str = "float32") -> Path:
+    """The reference target's SPS curve in ``dtype`` (2 CPU threads, context 256), from ``vlmspec profile``.
 
+    Measured on the fast runner (``decode="fast"``) on this project's 2-core AVX2 machine.
     The demo's SPS scheduler reads it. Another machine has another curve: measure your own with
-    ``vlmspec profile --target reference --max-tokens 8 --out sps.json`` and pass ``--sps sps.json``.
+    ``vlmspec profile --target reference --max-tokens 8 --dtype DTYPE --out sps.json`` and pass ``--sps sps.json``.
     """
-    path = Path(__file__).resolve().parent / "assets" / "reference-drafter" / "sps-cpu-float32.json"
+    path = Path(__file__).resolve().parent / "assets" / "reference-drafter" / f"sps-cpu-{dtype}.json"
     if not path.is_file():
-        raise FileNotFoundError(f"the reference SPS table is missing from {path}; it ships with the vlmspec repository")
+        raise FileNotFoundError(
+            f"no reference SPS table for {dtype} at {path}; measure one with `vlmspec profile --target reference "
+            f"--max-tokens 8 --dtype {dtype} --out sps.json` and pass --sps sps.json"
+        )
     return path
 
 

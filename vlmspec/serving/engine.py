@@ -144,12 +144,15 @@ class BatchEngine:
         dtype: str | torch.dtype = "float32",
         attn_implementation: str = "sdpa",
         device: str | torch.device = "cpu",
+        decode: str = "fast",
     ) -> BatchEngine:
         """A target (directory, ``"reference"``, ``tiny:FAMILY``) and a drafter, as for ``SpecEngine.from_pretrained``.
 
         ``attn_implementation`` applies to prefills; decode steps use the ragged batch's own attention.
         """
-        target = load_target(target_dir, dtype=dtype, attn_implementation=attn_implementation, device=device)
+        target = load_target(
+            target_dir, dtype=dtype, attn_implementation=attn_implementation, device=device, decode=decode
+        )
         proposer = load_proposer(drafter, target)
         return cls(target, proposer, scheduler, max_batch_size=max_batch_size, speculate_up_to=speculate_up_to)
 

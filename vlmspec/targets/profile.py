@@ -1,6 +1,6 @@
 """Measure a Qwen-VL target's SPS curves (forward steps per second against tokens in flight).
 
-:func:`profile_target` times one request's verify forward of 1..N tokens;
+:func:`profile_target` times one request's verify forward of 1..N tokens (the runner's);
 :func:`profile_target_batched` times the ragged forward R concurrent requests share
 (:class:`~vlmspec.targets.ragged.RaggedBatch`), for each R asked for, with B tokens from R
 (anchors only) to ``R * (1 + gamma)`` spread as evenly over the rows as a step would.
@@ -30,7 +30,9 @@ def profile_target(
 ) -> SPSTable:
     """Time one verify forward of 1..``max_tokens`` tokens on top of ``context_length`` cached tokens.
 
-    The cache is rolled back after every forward, so each timing sees the same context.
+    The forward is the runner's (a one-row :class:`~vlmspec.targets.ragged.RaggedBatch`,
+    in the target's decode mode), the one SpecEngine and BatchEngine run. It is rolled
+    back after every forward, so each timing sees the same context.
     """
     if not 1 <= context_length < target.max_context - max_tokens:
         raise ValueError(
@@ -38,11 +40,13 @@ def profile_target(
         )
     ids = filler_ids(target, context_length)
     state, _ = target.prefill(TargetInputs(ids, {"input_ids": ids}, num_images=0))
-    probe = ids[0, :max_tokens].tolist()
+    batch = RaggedBatch(target, initial_capacity=context_length + max_tokens)
+    batch.add(state)
+    probe = ids[0, :max_tokens].cpu()[None]  # [1, max_tokens]
 
     def forward(n: int) -> None:
-        target.verify(state, probe[:n])
-        target.rollback(state, keep=0)
+        batch.verify(probe[:, :n], torch.tensor([n]))
+        batch.advance([0])
 
     return profile_forward(
         forward, max_tokens, **_description(target), context_length=context_length, warmup=warmup, repeats=repeats
