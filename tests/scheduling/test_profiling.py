@@ -162,3 +162,32 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     path = plot_sps([sps_preset("cpu", 64), sps_preset("gpu_like", 64)], tmp_path / "sps.png", labels=["cpu", "gpu"])
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class JaggedClock(FakeClock):
+    """Step times 10, 30, 20, 40 ms for 1..4 tokens (3 costs less than 2), with 1 ms of jitter between repeats."""
+
+    COST = {1: 0.010, 2: 0.030, 3: 0.020, 4: 0.040}
+
+    def step(self, n: int) -> None:
+        self.calls.append(n)
+        self.now += self.COST[n] + 0.001 * (len(self.calls) % 2)
+
+
+def test_a_jagged_curve_is_fitted_monotone_and_the_user_is_warned() -> None:
+    clock = JaggedClock()
+    with pytest.warns(RuntimeWarning, match="not monotone") as caught:
+        table = measure_sps(clock.step, 4, meta=META, warmup=0, repeats=4, clock=clock)
+    assert "2 tokens" in str(caught[0].message) and "3 tokens" in str(caught[0].message)
+    step_ms = [1e3 / s for s in table.steps_per_s]
+    assert step_ms == sorted(step_ms)  # more tokens never cost less
+    assert step_ms[1] == pytest.approx(step_ms[2]) == pytest.approx(25.5)  # the violators pooled
+    assert step_ms[0] == pytest.approx(10.5) and step_ms[3] == pytest.approx(40.5)
+    assert "medians" in table.meta.notes
+
+
+def test_a_monotone_curve_passes_unchanged_and_silently(recwarn) -> None:
+    clock = FakeClock()
+    table = measure_sps(clock.step, 4, meta=META, warmup=0, repeats=3, clock=clock)
+    assert [round(1 / s, 6) for s in table.steps_per_s] == [0.01, 0.02, 0.03, 0.04]
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]

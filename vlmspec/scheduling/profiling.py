@@ -37,6 +37,7 @@ import json
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +51,7 @@ BATCH_FORMAT = "vlmspec.batch_sps_table"
 VERSION = 1
 PRESETS = ("appendix_a", "gpu_like", "cpu")
 
-_REGENERATE = "regenerate it with `vlmspec profile --model <target> --out <table.json>`"
+_REGENERATE = "regenerate it with `vlmspec profile --target <target> --out <table.json>`"
 
 
 @dataclass
@@ -208,7 +209,7 @@ class SPSTable:
             data = json.loads(path.read_text())
         except FileNotFoundError:
             raise ValueError(
-                f"no SPS table at {path}; create one with `vlmspec profile --model <target> --out {path}`"
+                f"no SPS table at {path}; create one with `vlmspec profile --target <target> --out {path}`"
             ) from None
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"{path} is not valid JSON ({err}); {_REGENERATE}") from None
@@ -405,7 +406,12 @@ def measure_sps(
     """Time ``step(n)`` (one forward with ``n`` tokens in flight) and tabulate steps/s.
 
     For each token count (default: every n in 1..max_tokens) the step runs ``warmup``
-    untimed times, then ``repeats`` timed times; the table holds 1 / median time.
+    untimed times, then ``repeats`` timed times. The median times are then fitted
+    non-decreasing in the token count (a forward over more tokens never costs less; the
+    schedulers' early stop assumes a smooth curve, design notes §8), and the table holds
+    1 / fitted time. A RuntimeWarning names the points whose median lies further from the
+    fit than that point's own spread of repeats, 5% and 10 us (a busy machine, or a jagged
+    curve).
     ``synchronize`` (e.g. ``torch.cuda.synchronize``) runs before each clock read, so
     asynchronous devices are timed to completion. ``meta`` says what was measured; its
     ``warmup``/``repeats`` fields are filled in here.
@@ -418,13 +424,41 @@ def measure_sps(
     if not _is_int(warmup) or warmup < 0 or not _is_int(repeats) or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup!r}, repeats={repeats!r}")
     sync = synchronize or (lambda: None)
-    sps = [1.0 / _median_step_time(step, n, warmup, repeats, sync, clock) for n in counts]
-    return SPSTable(tuple(counts), tuple(sps), dataclasses.replace(meta, warmup=warmup, repeats=repeats))
+    timings = [_step_times(step, n, warmup, repeats, sync, clock) for n in counts]
+    medians = [statistics.median(times) for times in timings]
+    fitted = monotone_fit(medians)
+    off = [
+        f"{n} tokens: median {m * 1e3:.2f} ms, fit {f * 1e3:.2f} ms"
+        for n, m, f, times in zip(counts, medians, fitted, timings)
+        if abs(m - f) > max(max(times) - min(times), 0.05 * f, 1e-5)  # beyond its spread, 5% and 10 us
+    ]
+    if off:
+        warnings.warn(
+            "the measured SPS curve is not monotone beyond its noise, so it was fitted; measure again on an idle "
+            "machine (or with more --repeats) if this persists: " + "; ".join(off),
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    notes = "step times fitted non-decreasing in tokens; medians (s): " + ", ".join(f"{m:.6g}" for m in medians)
+    meta = dataclasses.replace(meta, warmup=warmup, repeats=repeats, notes=notes)
+    return SPSTable(tuple(counts), tuple(1.0 / f for f in fitted), meta)
 
 
-def _median_step_time(
+def monotone_fit(values: Sequence[float]) -> list[float]:
+    """The least-squares non-decreasing fit of ``values`` (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for value in values:
+        blocks.append([float(value), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, count = blocks.pop()
+            blocks[-1][0] = (blocks[-1][0] * blocks[-1][1] + mean * count) / (blocks[-1][1] + count)
+            blocks[-1][1] += count
+    return [mean for mean, count in blocks for _ in range(int(count))]
+
+
+def _step_times(
     step: Callable[[int], None], n: int, warmup: int, repeats: int, sync: Callable[[], None], clock: Callable[[], float]
-) -> float:
+) -> list[float]:
     for _ in range(warmup):
         step(n)
     sync()
@@ -437,7 +471,7 @@ def _median_step_time(
     median = statistics.median(times)
     if not median > 0:
         raise ValueError(f"step({n}) took {median} s (median); the clock must advance while a step runs")
-    return median
+    return times
 
 
 def profile_forward(
