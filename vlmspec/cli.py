@@ -116,8 +116,7 @@ def _run_demo(args) -> int:
     from vlmspec.scheduling.factory import build_scheduler
 
     image = _open_image(args.image) if args.image else demo_image()
-    options = _reference_defaults(args)  # may fall back to scheduler "none": read args.scheduler after it
-    scheduler = build_scheduler(args.scheduler, threshold=args.threshold, **options)
+    scheduler = build_scheduler(args.scheduler, threshold=args.threshold, **_reference_defaults(args))
     engine = SpecEngine.from_pretrained(args.target, drafter=args.drafter, scheduler=scheduler, dtype=args.dtype)
     print(f"target: {args.target}   drafter: {args.drafter}   scheduler: {args.scheduler}   dtype: {args.dtype}\n")
     requests = [(image, args.prompt)] + ([(None, args.text_prompt)] if args.text_prompt else [])
@@ -138,16 +137,17 @@ def _run_demo(args) -> int:
 def _reference_defaults(args) -> dict:
     """The SPS table and calibration for the scheduler: the ones measured for the reference pair, unless given.
 
-    With another target and no ``--sps``, a hardware-aware scheduler falls back to verifying every draft.
+    With another target and no ``--sps``, a hardware-aware scheduler is refused with the command that measures one.
     A scheduler that reads confidences sees them calibrated: ``--calibration``, or a reference drafter's own.
     """
     from vlmspec.reference import REFERENCE_DRAFTERS, reference_drafter_dir, reference_sps_table
 
     needs_table = args.scheduler in ("sps", "prefix", "lagged-topk")
     if needs_table and args.sps is None and args.target != "reference":
-        print(f"note: no --sps table for {args.target}: verifying every draft (scheduler none)", file=sys.stderr)
-        args.scheduler = "none"
-        return {}
+        raise ValueError(
+            f"--scheduler {args.scheduler} needs the target's cost curve: measure it with `vlmspec profile "
+            f"--target {args.target} --out sps.json` and add --sps sps.json (or use --scheduler threshold or none)"
+        )
     options = {"sps": args.sps or (reference_sps_table(args.dtype) if needs_table else None)}
     if args.calibration is not None:
         options["calibration"] = args.calibration

@@ -1,0 +1,191 @@
+"""vlmspec against what a user would run instead, in one run: transformers' generate() and vLLM's CPU build.
+
+Batch 1, greedy, the held-out text mix (the first GSM8K and MT-Bench questions, which
+no drafter trained on: ``recipes/reference_prompts.py`` takes its prompts after them).
+Every variant answers the same prompt tokens; the vlmspec variants and ``generate()``
+take turns question by question (so a slow minute of the shared machine hits all of
+them), and vLLM runs afterwards in its own venv (``benchmarks/vllm_peer.py``).
+
+```bash
+python -m benchmarks.vs_vllm --dtype float32 --out runs/vs-vllm/float32
+python -m benchmarks.vs_vllm --dtype bfloat16 --out runs/vs-vllm/bfloat16
+```
+
+Identity is reported as the runner issue defines it: each variant's tokens against
+``generate()``'s, and at the first difference, whether it is a numerical tie (the
+target's own top-2 logit margin there below ``--tie-margin``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import markdown_table, prepare_out_dir, rotated, write_json, write_text
+from benchmarks.spec.workloads import prompt_set_tasks
+from benchmarks.vllm_peer import run_vllm
+
+PROMPT_SETS = ("../shared/data/prompts/gsm8k.jsonl", "../shared/data/prompts/mt-bench.jsonl")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--prompt-set", action="append", help="JSONL prompt sets (default: GSM8K and MT-Bench)")
+    parser.add_argument("--num-questions", type=int, default=4, help="first N questions of each set")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM peers")
+    parser.add_argument(
+        "--tie-margin",
+        type=float,
+        default=None,
+        help="top-2 logit margin that counts as a tie (default: the forwards' measured logit differences, "
+        "about 1e-4 in float32 and 0.6 in bfloat16 on the reference target: 1e-3 and 1.0)",
+    )
+    parser.add_argument("--out", default="runs/vs-vllm")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> Path:
+    args = parse_args(argv)
+    if args.tie_margin is None:
+        args.tie_margin = 1e-3 if args.dtype == "float32" else 1.0
+    torch.set_num_threads(args.threads)
+    from vlmspec import SpecEngine
+    from vlmspec.engine import load_proposer
+    from vlmspec.reference import reference_drafter_dir, reference_sps_table, reference_target_dir
+    from vlmspec.scheduling.factory import build_scheduler
+    from vlmspec.targets.adapter import load_target
+
+    out = prepare_out_dir(args.out)
+    tasks = [t for path in args.prompt_set or PROMPT_SETS for t in prompt_set_tasks(path, args.num_questions)]
+    target = load_target("reference", dtype=args.dtype)
+    # The reference pair's serving defaults: SPS on this dtype's measured curve, calibrated confidences.
+    scheduler = build_scheduler(
+        "sps", sps=reference_sps_table(args.dtype), calibration=reference_drafter_dir("reference")
+    )
+    engine = SpecEngine(target, load_proposer("reference", target), scheduler)
+    inputs = [target.build_inputs(None, task.prompt) for task in tasks]
+    eos = list(target.eos_token_ids)
+
+    def hf_generate(i: int) -> list[int]:
+        with torch.inference_mode():
+            output = target.model.generate(
+                **inputs[i].model_kwargs,
+                max_new_tokens=args.max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos[0],
+                temperature=None,
+                top_k=None,
+                top_p=None,
+            )
+        return output[0, inputs[i].length :].tolist()
+
+    def vlmspec_run(decode: str, speculative: bool):
+        def run(i: int) -> list[int]:
+            target.decode = decode
+            task = tasks[i]
+            return engine.generate(None, task.prompt, max_new_tokens=args.max_new_tokens, speculative=speculative)
+
+        return run
+
+    variants = {
+        "transformers generate()": hf_generate,
+        "vlmspec target alone (reference forward)": vlmspec_run("reference", False),
+        "vlmspec target alone (fast runner)": vlmspec_run("fast", False),
+        "vlmspec + DSpark drafter, SPS (fast runner)": vlmspec_run("fast", True),
+    }
+    for run in variants.values():  # warm-up: first-call costs (packing the weights, allocators)
+        run(0)
+    results = {name: {"tokens": [], "seconds": [], "tau": []} for name in variants}
+    for i, _ in enumerate(tasks):
+        for name in rotated(list(variants), i):
+            tick = time.perf_counter()
+            output = variants[name](i)
+            results[name]["seconds"].append(time.perf_counter() - tick)
+            tokens = output if isinstance(output, list) else output.token_ids
+            results[name]["tokens"].append(list(tokens))
+            if not isinstance(output, list):
+                results[name]["tau"].append(output.stats.tau)
+        print(f"[vs-vllm] question {i + 1}/{len(tasks)} done", flush=True)
+    target.decode = "fast"
+
+    if not args.no_vllm:
+        prompt_ids = [x.input_ids[0].tolist() for x in inputs]
+        for ngram in (False, True):
+            name = f"vLLM {'n-gram speculation' if ngram else 'plain'}"
+            found = run_vllm(
+                reference_target_dir(),
+                prompt_ids,
+                max_new_tokens=args.max_new_tokens,
+                dtype=args.dtype,
+                ngram=ngram,
+                threads=args.threads,
+                work_dir=out / "vllm",
+            )
+            results[name] = {"tokens": found["tokens"], "seconds": found["seconds"], "acceptance": found["acceptance"]}
+
+    reference = results["transformers generate()"]["tokens"]
+    rows, report = [], {}
+    best_peer = max(
+        (tok_per_s(r) for n, r in results.items() if n.startswith("vLLM")),
+        default=None,
+    )
+    for name, r in results.items():
+        identity = identity_report(target, inputs, reference, r["tokens"], args.tie_margin)
+        speed = tok_per_s(r)
+        tau = sum(r["tau"]) / len(r["tau"]) if r.get("tau") else None
+        rows.append(
+            [
+                name,
+                speed,
+                speed / tok_per_s(results["transformers generate()"]),
+                speed / best_peer if best_peer else None,
+                tau,
+                f"{identity['identical']}/{len(tasks)}",
+                identity["ties"],
+            ]
+        )
+        report[name] = {**r, "tok_per_s": speed, "identity": identity}
+    headers = ["engine", "tok/s", "vs generate()", "vs best vLLM", "tau", "identical to generate()", "ties"]
+    table = markdown_table(headers, rows)
+    print(table)
+    write_text(out / "table.md", f"dtype {args.dtype}, {len(tasks)} questions, batch 1, greedy\n\n{table}\n")
+    write_json(out / "results.json", {"args": vars(args), "results": report})
+    return out
+
+
+def tok_per_s(result: dict) -> float:
+    return sum(len(t) for t in result["tokens"]) / sum(result["seconds"])
+
+
+def identity_report(target, inputs, reference: list[list[int]], tokens: list[list[int]], margin: float) -> dict:
+    """Outputs equal to ``reference``; for the others, whether the first difference sits at a numerical tie."""
+    identical, ties, divergences = 0, 0, []
+    for x, ref, got in zip(inputs, reference, tokens):
+        if ref == got:
+            identical += 1
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+        top2 = top2_margin(target, x.input_ids[0].tolist() + ref[:at])
+        ties += int(top2 < margin)
+        divergences.append({"position": at, "top2_margin": top2})
+    return {"identical": identical, "ties": ties, "divergences": divergences}
+
+
+@torch.inference_mode()
+def top2_margin(target, ids: list[int]) -> float:
+    """The target's own top-2 logit margin for the token after ``ids`` (transformers' forward)."""
+    logits = target.model(input_ids=torch.tensor([ids]), logits_to_keep=1).logits[0, -1].float()
+    best = torch.topk(logits, 2).values
+    return float(best[0] - best[1])
+
+
+if __name__ == "__main__":
+    main()
