@@ -116,7 +116,7 @@ class PackedDecoder:
             )
         # The packed weights are copies: remember what they were copied from, so that a weight
         # changed in place (loading, fine-tuning) or moved is noticed (see `matches`).
-        self._sources = list(model.parameters())
+        self._sources = [*text.parameters(), *model.get_output_embeddings().parameters()]  # not the vision tower
         self._stamp = self._source_stamp()
         self.embed = text.embed_tokens
         self.norm = text.norm
