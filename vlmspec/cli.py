@@ -90,7 +90,7 @@ def _add_demo(commands) -> None:
     )
     _scheduler_options(p)
     # The reference pair verifies a draft only when it pays on this CPU (an 8-token forward costs ~2 steps).
-    p.set_defaults(scheduler="sps")
+    p.set_defaults(scheduler=None)  # sps on the reference target (its curve ships), else none: see _run_demo
     p.add_argument("--image", default=None, help="an image file (default: a held-out easy-vqa test image)")
     p.add_argument("--prompt", default=DEMO_PROMPT, help="the first question about the image")
     p.add_argument(
@@ -116,6 +116,8 @@ def _run_demo(args) -> int:
     from vlmspec.scheduling.factory import build_scheduler
 
     image = _open_image(args.image) if args.image else demo_image()
+    if args.scheduler is None:  # the shipped SPS curves are the reference target's; another target verifies all
+        args.scheduler = "sps" if args.target == "reference" or args.sps is not None else "none"
     scheduler = build_scheduler(args.scheduler, threshold=args.threshold, **_reference_defaults(args))
     engine = SpecEngine.from_pretrained(args.target, drafter=args.drafter, scheduler=scheduler, dtype=args.dtype)
     print(f"target: {args.target}   drafter: {args.drafter}   scheduler: {args.scheduler}   dtype: {args.dtype}\n")
