@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 from vlmspec.cli import main
@@ -37,6 +38,23 @@ def test_generate_prints_the_answer_and_stats(capsys):
     assert code == 0
     out = capsys.readouterr()
     assert "speedup" in out.err and "output: identical" in out.err
+
+
+def test_compare_fails_when_a_greedy_answer_differs_from_the_target_alone(capsys, monkeypatch):
+    from vlmspec.engine import SpecEngine
+
+    generate = SpecEngine.generate
+
+    def baseline_that_differs(self, *args, speculative=True, **kwargs):
+        result = generate(self, *args, speculative=speculative, **kwargs)
+        return result if speculative else dataclasses.replace(result, token_ids=result.token_ids[:2] + [0])
+
+    monkeypatch.setattr(SpecEngine, "generate", baseline_that_differs)
+    code = main(
+        ["generate", "--target", "tiny:qwen3_vl", "--prompt", "Hello there", "--max-new-tokens", "6", "--compare"]
+    )
+    err = capsys.readouterr().err
+    assert code == 1 and "output: DIFFERENT" in err and "differs from the target alone's at token 2" in err
 
 
 def test_user_errors_exit_2_with_the_fix(capsys):

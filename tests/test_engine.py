@@ -89,6 +89,21 @@ def test_max_new_tokens_eos_and_stop_strings_end_where_the_target_alone_ends(mak
     assert stop in results[1].text and results[1].text.count(stop) == 1 and len(results[1].token_ids) < 40
 
 
+def test_a_prompt_that_leaves_too_little_context_warns_and_stops_there(make_target):
+    target = make_target("qwen2_vl")
+    engine = SpecEngine(target, PromptLookup(max_draft_tokens=6))
+    phrase = "one two three four five six seven eight nine ten "
+    per_phrase = target.build_inputs(None, phrase * 2).length - target.build_inputs(None, phrase).length
+    overhead = target.build_inputs(None, phrase).length - per_phrase
+    words = phrase * ((target.max_context - 20 - overhead) // per_phrase)
+    prompt_length = target.build_inputs(None, words).length
+    room = target.max_context - prompt_length + 1
+    assert 0 < room < 64, "the prompt should leave a few tokens of context"
+    with pytest.warns(UserWarning, match=f"room for only {room} of max_new_tokens=64"):
+        result = engine.generate(None, words, max_new_tokens=64)
+    assert result.finish_reason == "length" and len(result.token_ids) <= room
+
+
 def test_round_records_match_the_statistics_and_the_output(make_target):
     engine = SpecEngine(make_target("qwen2_vl"), PromptLookup(max_draft_tokens=4))
     stream = engine.stream(None, PROMPT, max_new_tokens=24)

@@ -49,7 +49,11 @@ def _add_generate(commands) -> None:
     p.add_argument("--image", action="append", default=[], help="image file (repeatable; omit for text only)")
     p.add_argument("--prompt", required=True, help="the question or instruction")
     _generation_options(p)
-    p.add_argument("--compare", action="store_true", help="also run the target alone and print the speedup")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run the target alone and print the speedup; exits 1 if a greedy answer differs from it",
+    )
     p.add_argument("--stream", action="store_true", help="print the answer as it is generated")
     p.set_defaults(run=_run_generate)
 
@@ -69,6 +73,20 @@ def _run_generate(args) -> int:
         print(result.text)
     baseline = engine.generate(images, args.prompt, **options, speculative=False) if args.compare else None
     print(format_stats(result, baseline), file=sys.stderr)
+    if baseline is not None and args.temperature == 0 and baseline.token_ids != result.token_ids:
+        # Greedy speculation promises the target's own tokens: a difference is a failure, not a footnote.
+        first = next(
+            (i for i, (a, b) in enumerate(zip(baseline.token_ids, result.token_ids)) if a != b),
+            min(len(baseline.token_ids), len(result.token_ids)),
+        )
+        print(
+            f"error: the greedy output differs from the target alone's at token {first} "
+            f"({len(result.token_ids)} tokens against {len(baseline.token_ids)}), so the speedup above compares "
+            "different answers. In bfloat16 this is usually a numerical tie between two tokens; --dtype float32 "
+            "checks it. Otherwise please report it with this command line.",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

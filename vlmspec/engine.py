@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -222,6 +223,7 @@ def prefill_request(
     target: QwenVLTarget, decoder: SpecDecoder, request: SpecRequest, inputs: TargetInputs
 ) -> RequestState:
     """Run one request's prompt (with its images) through the target and start it: the first token is committed."""
+    warn_if_context_cuts(target, request, inputs.length)
     proposer = decoder.proposer
     tick = time.perf_counter()
     state, step = target.prefill(inputs, feature_layers=proposer.feature_layers, position_rule=proposer.position_rule)
@@ -229,6 +231,19 @@ def prefill_request(
     decoder.start(request, prefill_output(inputs, state, step))
     end_at_context(target, request, state.length)
     return state
+
+
+def warn_if_context_cuts(target: QwenVLTarget, request: SpecRequest, prompt_length: int) -> None:
+    """Say so when the context, not ``max_new_tokens``, will end the answer (both end it with "length")."""
+    room = target.max_context - prompt_length + 1  # the last token needs no cache slot
+    if room < request.max_new_tokens:
+        warnings.warn(
+            f"the prompt's {prompt_length} tokens leave room for only {room} of max_new_tokens="
+            f"{request.max_new_tokens} in this model's {target.max_context}-token context: the answer will stop "
+            "there with finish_reason 'length'. Shorten the prompt, use smaller images or lower max_new_tokens.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def context_room(target: QwenVLTarget, length: int) -> int:

@@ -324,3 +324,11 @@ def test_a_dead_engine_thread_answers_503_and_says_why(server_target):
         with pytest.raises(openai.APIStatusError, match="the engine is not running") as refused:
             client.chat.completions.create(model=MODEL, messages=user("Hi again"), max_tokens=5)
         assert refused.value.status_code == 503
+
+
+def test_an_unreadable_image_gets_a_fix_an_http_client_can_apply(live):
+    body = {"messages": user("hi", "data:image/png;base64,aGVsbG8=")}  # "hello": valid base64, not an image
+    status, answer = http(f"{live.base_url}/chat/completions", body)
+    message = answer["error"]["message"]
+    assert status == 400 and "base64 data: URL" in message
+    assert "BytesIO" not in message and "PIL" not in message

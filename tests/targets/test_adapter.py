@@ -96,3 +96,19 @@ def test_bfloat16_target_runs(make_target):
     bf16 = make_target("qwen2_vl", dtype=torch.bfloat16)  # its own model: never round the shared one's weights
     state, step = bf16.prefill(bf16.build_inputs(None, "Hello"), feature_layers=(1,))
     assert step.logits.dtype == torch.float32 and step.features.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("spec", "fix"),
+    [
+        ("refrence", "did you mean 'reference'"),
+        ("tiny-qwen3_vl", "did you mean 'tiny:qwen3_vl'"),
+        ("/no/such", "tiny:"),
+    ],
+)
+def test_a_target_that_is_not_there_gets_the_closest_name_and_every_choice(spec, fix):
+    from vlmspec.targets.adapter import load_target
+
+    with pytest.raises(FileNotFoundError, match="no model directory") as error:
+        load_target(spec)
+    assert fix in str(error.value) and "'reference' (the bundled reference target)" in str(error.value)

@@ -25,7 +25,7 @@ from vlmspec.training import (
     regenerate_item,
     target_fingerprint,
 )
-from vlmspec.training.cache import select_rows
+from vlmspec.training.cache import format_size, select_rows
 from vlmspec.training.packing import collate
 
 
@@ -143,7 +143,17 @@ def test_size_estimate_is_an_upper_bound(target, prompts, small_cache):
     estimate = estimate_cache_size(target, prompts[:8], small_cache.spec)
     assert estimate.sequences == 8
     assert small_cache.manifest["counts"]["bytes"] <= estimate.bytes < 3 * small_cache.manifest["counts"]["bytes"]
-    assert "GiB" in estimate.describe()
+    assert "at most 0.00" not in estimate.describe() and "iB" in estimate.describe()
+
+
+def test_sizes_are_printed_in_a_unit_that_shows_them():
+    assert [format_size(n) for n in (0, 999, 4096, 5 * 2**20 + 2**19, 3 * 2**30)] == [
+        "0 B",
+        "999 B",
+        "4.0 KiB",
+        "5.5 MiB",
+        "3.0 GiB",
+    ]
 
 
 def test_bad_cache_specs_and_directories_are_refused(target, tmp_path):

@@ -86,5 +86,10 @@ def _local_file(url: str, allowed_media: Path | None, param: str) -> Path:
 def _decode(data: bytes, param: str) -> Image.Image:
     try:
         return load_image(data)
-    except ValueError as err:
-        raise APIError(400, str(err), param=param) from None
+    except ValueError:
+        raise APIError(
+            400,
+            f"the image is not readable: its {len(data):,} bytes are in no image format the server reads; "
+            "send a PNG or JPEG file as a base64 data: URL (data:image/png;base64,...)",
+            param=param,
+        ) from None

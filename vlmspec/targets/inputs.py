@@ -92,10 +92,11 @@ def _decode(data: bytes, what: str) -> Image.Image:
     try:
         with Image.open(io.BytesIO(data)) as image:
             return image.convert("RGB")
-    except (UnidentifiedImageError, OSError) as err:
-        raise ValueError(
-            f"{what} is not a readable image ({err}); pass a PNG/JPEG file, a PIL image or an array"
-        ) from None
+    except UnidentifiedImageError:
+        reason = f"{len(data):,} bytes in no image format Pillow reads"  # Pillow's own text names a BytesIO object
+    except OSError as err:
+        reason = str(err)
+    raise ValueError(f"{what} is not a readable image ({reason}); pass a PNG/JPEG file, a PIL image or an array")
 
 
 def _from_array(array: np.ndarray) -> Image.Image:

@@ -554,8 +554,18 @@ class CacheEstimate:
     def describe(self) -> str:
         return (
             f"target cache estimate: {self.sequences} sequences, up to {self.tokens:,} tokens x "
-            f"{self.bytes_per_token:,} B = at most {self.bytes / 2**30:.2f} GiB"
+            f"{self.bytes_per_token:,} B = at most {format_size(self.bytes)}"
         )
+
+
+def format_size(num_bytes: int) -> str:
+    """A byte count in the largest binary unit that keeps it at least 1 (``"3.4 MiB"``, never ``"0.00 GiB"``)."""
+    size, unit = float(num_bytes), "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, bigger
+    return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
 
 
 def estimate_cache_size(
