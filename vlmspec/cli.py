@@ -419,7 +419,7 @@ def _target_options(p: argparse.ArgumentParser, drafter: bool = True) -> None:
         "--decode",
         default="fast",
         choices=DECODE_MODES,
-        help="decode/verify forward: 'fast' (prepacked weights) or 'reference' (transformers' own forward)",
+        help="decode/verify forward: 'fast' (vlmspec's packed decoder and CPU kernel) or 'reference' (transformers' own forward)",
     )
 
 

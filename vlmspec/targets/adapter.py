@@ -11,6 +11,7 @@ What it does not know: drafting, verification rules, scheduling.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import os
 from collections.abc import Sequence
@@ -40,7 +41,7 @@ SUPPORTED_MODEL_TYPES = {
     "qwen3_vl_moe": "qwen3_vl",
 }
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
-# How decode/verify forwards run: "fast" (vlmspec.targets.packed, prepacked weights) or
+# How decode/verify forwards run: "fast" (vlmspec.targets.packed, fused linears over the CPU kernel) or
 # "reference" (transformers' own forward, the eager reference the fast one is tested against).
 DECODE_MODES = ("fast", "reference")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -453,8 +454,23 @@ def load_target(
         target = tiny_target(family, dtype=resolve_dtype(dtype), **RANDOM_TARGET_SIZES[kind])
         target.decode = check_decode_mode(decode)
         return target.to_device(device)
+    if not Path(spec).exists():
+        raise FileNotFoundError(_unknown_target_message(str(spec)))
     return QwenVLTarget.from_pretrained(
         spec, dtype=dtype, attn_implementation=attn_implementation, device=device, decode=decode
+    )
+
+
+def _unknown_target_message(spec: str) -> str:
+    """What to pass instead of a target that is neither a directory nor a built-in name (closest name first)."""
+    from vlmspec.targets.tiny import FAMILIES
+
+    names = [REFERENCE_SPEC, *(f"{kind}:{family}" for kind in RANDOM_TARGET_SIZES for family in FAMILIES)]
+    close = difflib.get_close_matches(spec, names, n=1, cutoff=0.6)
+    guess = f"did you mean {close[0]!r}? " if close else ""
+    return (
+        f"no model directory {spec!r}; {guess}pass the directory of a saved Qwen-VL model, {REFERENCE_SPEC!r} "
+        f"(the bundled reference target) or tiny:FAMILY for a random test model ({', '.join(FAMILIES)})"
     )
 
 

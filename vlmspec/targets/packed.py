@@ -1,21 +1,19 @@
-"""The fast decode/verify forward: the target's text decoder over prepacked weights.
+"""The fast decode/verify forward: the target's text decoder over fused linears.
 
 A Hugging Face eager forward of a small model on a CPU spends most of a decode step in
 its matrix-vector products, and ATen's ``F.linear`` reads an ``[N, K]`` weight at well
-under the machine's memory bandwidth when it multiplies one or a few rows. On the
-2-core AMD EPYC (AVX2) that runs this project's tests, the reference target's LM head
-(576 x 49,156, float32) costs 15.3 ms for 1 row and 43 ms for 8 through ``F.linear``,
-and 10.8 ms and 12.7 ms through oneDNN with the weight reordered once for a batch of 8
-(``benchmarks/target_step.py`` measures the whole step). So verifying 8 tokens costs
-about what one costs, which is what speculation needs (the T_verify term of the
-performance model, docs/design.md §21).
+under the machine's memory bandwidth when it multiplies one or a few rows (the T_step
+and T_verify terms of the performance model, docs/design.md §21). On x86 CPUs the
+linears here run through vlmspec's own AVX2 kernel (:mod:`vlmspec.targets.cpu_linear`),
+which reads float32 and bfloat16 weights as the model stores them near the memory
+bandwidth; elsewhere through oneDNN's reordered weights or ATen
+(``benchmarks/target_step.py`` measures each backend, term by term).
 
 :class:`PackedDecoder` runs the language model's decoder layers itself, for text tokens
 after a prefill (decode and verify):
 
 * every linear layer goes through a :class:`PackedLinear` (q/k/v fused into one, gate
-  and up into one), prepacked for oneDNN where the CPU supports the dtype, else plain
-  ``F.linear`` (GPUs, bfloat16 on a CPU without AVX-512);
+  and up into one), whose backend is chosen once per weight;
 * the norms, the activation and the q/k norms of Qwen3-VL are the model's own modules,
   so they compute exactly what transformers computes;
 * positions are 1-D: after the prompt every token of a Qwen-VL request sits at the same
@@ -24,7 +22,7 @@ after a prefill (decode and verify):
 * keys and values go straight into the runner's preallocated KV buffers, and attention
   reads only each row's valid slots (:func:`vlmspec.targets.ragged.attend_rows`).
 
-It computes what transformers computes up to float rounding (oneDNN sums in another
+It computes what transformers computes up to float rounding (the products sum in another
 order): greedy outputs agree except at numerical ties, which the benchmarks count. The
 reference mode of the runner (``decode="reference"``) runs transformers' own forward.
 
@@ -39,6 +37,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vlmspec.targets.cpu_linear import MAX_ROWS, kernel_applies, skinny_linear
 
 # oneDNN reorders a weight for an expected number of rows; 8 is the verify width of a
 # speculative round, and measured faster than 1 for 4-16 rows at a small cost for 1.
@@ -55,11 +55,15 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 class PackedLinear:
-    """``y = x @ W.T + b`` for ``W = cat(weights)``, prepacked once for oneDNN where it can be.
+    """``y = x @ W.T + b`` for ``W = cat(weights)``, through the fastest backend this machine has.
 
-    A bfloat16 weight on a CPU without native bfloat16 stays ATen's: a float32 prepacked
-    copy for several rows was tried and measured slower on the AVX2 machine (it reads
-    twice the bytes).
+    ``backend`` is chosen once:
+
+    * ``"kernel"``: vlmspec's AVX2 matrix-vector kernel (:mod:`vlmspec.targets.cpu_linear`)
+      over the fused weight as stored, float32 or bfloat16, for up to ``MAX_ROWS`` rows;
+      more rows go through ATen's GEMM, which is the better tool there;
+    * ``"onednn"``: the weight reordered once for oneDNN (a CPU without the kernel);
+    * ``"aten"``: plain ``F.linear`` (GPUs, bfloat16 on a CPU without native bfloat16).
     """
 
     def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> None:
@@ -68,12 +72,14 @@ class PackedLinear:
         if any(b is not None for b in biases):
             parts = [b.detach() if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)]
             self.bias = torch.cat(parts)  # [N]
-        self.packed = can_pack(weight)
-        self.weight = _reorder(weight) if self.packed else weight
-        self.out_features = weight.shape[0]
+        self.backend = "kernel" if kernel_applies(weight) else "onednn" if can_pack(weight) else "aten"
+        self.weight = _reorder(weight) if self.backend == "onednn" else weight
+        self.out_features, self.in_features = weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [B, K] -> [B, N]
-        if self.packed:
+        if self.backend == "kernel" and x.shape[0] <= MAX_ROWS:
+            return skinny_linear(x, self.weight, self.bias)
+        if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -141,9 +147,9 @@ class PackedDecoder:
         return [(p.data_ptr(), p._version) for p in self._sources]
 
     @property
-    def packed(self) -> bool:
-        """Whether the linears run through oneDNN (else ``F.linear``)."""
-        return self.head.packed
+    def backend(self) -> str:
+        """How the linears run: ``"kernel"``, ``"onednn"`` or ``"aten"`` (see :class:`PackedLinear`)."""
+        return self.head.backend
 
     @torch.no_grad()
     def __call__(

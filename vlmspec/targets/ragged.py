@@ -182,7 +182,7 @@ class RaggedBatch:
 
     # ------------------------------------------------------------ internals
     def _fast_forward(self, ids: torch.Tensor, positions: torch.Tensor, layout: _Layout):
-        """vlmspec's packed decoder (prepacked weights): logits [B, V] float32, features [B, m * d] or None."""
+        """vlmspec's packed decoder (fused linears): logits [B, V] float32, features [B, m * d] or None."""
         cache = _RaggedCache(self._keys, self._values, layout)
 
         def write_kv(layer: int, k: torch.Tensor, v: torch.Tensor):  # k, v: [B, Hkv, hd]

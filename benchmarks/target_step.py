@@ -1,0 +1,173 @@
+"""The target's forward, term by term: T_step and T_verify(n) for each way the runner can run it.
+
+The performance model's target terms (docs/design.md §21) on the reference target, in one
+run, for every backend the runner has on this machine:
+
+* ``reference``: transformers' own eager forward (``decode="reference"``);
+* ``fast, oneDNN/ATen``: the packed decoder with the AVX2 kernel turned off, its linears
+  through oneDNN's reordered weights (float32) or ATen (bfloat16 without AVX-512);
+* ``fast, kernel``: the packed decoder over vlmspec's matrix-vector kernel
+  (``vlmspec/targets/cpu_linear.py``), the default where it builds.
+
+Each configuration is profiled ``--rounds`` times in turn (A, B, C, A, B, C, ...), so a
+slow minute of the shared machine hits all of them, and the median of its rounds is
+reported. A second table times the linear layers alone (every weight of the model once,
+as a step reads them) in GB/s, which is the term the kernel moves.
+
+```bash
+python -m benchmarks.target_step --out runs/target-step
+```
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import markdown_table, plot_lines, prepare_out_dir, rotated, write_json, write_text
+
+TOKEN_COUNTS = (1, 2, 4, 8)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", action="append", choices=("float32", "bfloat16"), help="default: both")
+    parser.add_argument("--context-length", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3, help="profiles of each configuration, interleaved")
+    parser.add_argument("--repeats", type=int, default=8, help="timed forwards per token count and profile")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="runs/target-step")
+    return parser.parse_args(argv)
+
+
+@contextmanager
+def kernel_enabled(enabled: bool) -> Iterator[None]:
+    """Turn vlmspec's CPU kernel on or off for the linears packed inside this block."""
+    from vlmspec.targets import cpu_linear
+
+    saved = os.environ.get(cpu_linear.KERNEL_ENV)
+    os.environ[cpu_linear.KERNEL_ENV] = "1" if enabled else "0"
+    cpu_linear.kernel_available.cache_clear()
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(cpu_linear.KERNEL_ENV, None)
+        else:
+            os.environ[cpu_linear.KERNEL_ENV] = saved
+        cpu_linear.kernel_available.cache_clear()
+
+
+def step_times(target, decode: str, kernel: bool, args: argparse.Namespace) -> tuple[dict[int, float], str]:
+    """T_verify(n) in seconds for n in TOKEN_COUNTS (the runner's forward, as `vlmspec profile` times it)."""
+    from vlmspec.targets.profile import profile_target
+
+    target.decode = decode
+    with kernel_enabled(kernel):
+        target.to_device(target.device)  # drops the packed weights: repacked for this backend
+        backend = target.packed_decoder().backend if decode == "fast" else "transformers"
+        table = profile_target(
+            target, max_tokens=max(TOKEN_COUNTS), context_length=args.context_length, warmup=2, repeats=args.repeats
+        )
+    return {n: 1.0 / table.sps(n) for n in TOKEN_COUNTS}, backend
+
+
+def linear_pass_seconds(target, kernel: bool, rows: int) -> float:
+    """One pass of ``rows`` rows through every packed linear of the model (the weights a step reads)."""
+    with kernel_enabled(kernel):
+        target.to_device(target.device)
+        decoder = target.packed_decoder()
+        linears = [lin for layer in decoder.layers for lin in (layer.qkv, layer.out, layer.gate_up, layer.down)]
+        linears.append(decoder.head)
+        inputs = {lin: torch.randn(rows, lin.in_features, dtype=target.dtype) for lin in linears}
+
+        def one_pass() -> None:
+            for lin in linears:
+                lin(inputs[lin])
+
+        one_pass()
+        return min(_timed(one_pass) for _ in range(5))
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    tick = time.perf_counter()
+    fn()
+    return time.perf_counter() - tick
+
+
+def main(argv: Sequence[str] | None = None) -> Path:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from vlmspec.targets.adapter import load_target
+
+    out = prepare_out_dir(args.out)
+    configs = {
+        "reference (transformers eager)": ("reference", True),
+        "fast, oneDNN/ATen linears": ("fast", False),
+        "fast, vlmspec kernel": ("fast", True),
+    }
+    report: dict = {"configs": {}, "linears": {}}
+    step_rows, linear_rows, series = [], [], {}
+    for dtype in args.dtype or ("float32", "bfloat16"):
+        target = load_target("reference", dtype=dtype)
+        weight_bytes = _linear_weight_bytes(target)
+        runs: dict[str, list[dict[int, float]]] = {name: [] for name in configs}
+        backends: dict[str, str] = {}
+        for round_index in range(args.rounds):
+            for name in rotated(list(configs), round_index):
+                times, backends[name] = step_times(target, *configs[name], args)
+                runs[name].append(times)
+            print(f"[target-step] {dtype}: round {round_index + 1}/{args.rounds} done", flush=True)
+        for name, samples in runs.items():
+            median = {n: statistics.median(s[n] for s in samples) for n in TOKEN_COUNTS}
+            report["configs"][f"{dtype} / {name}"] = {"backend": backends[name], "seconds": median}
+            step_rows.append(
+                [dtype, name, backends[name], *(median[n] * 1e3 for n in TOKEN_COUNTS), median[8] / median[1]]
+            )
+            series[f"{dtype}: {name}"] = (list(TOKEN_COUNTS), [median[n] * 1e3 for n in TOKEN_COUNTS])
+        for kernel in (False, True):
+            for rows in (1, 8):
+                seconds = linear_pass_seconds(target, kernel, rows)
+                label = "vlmspec kernel" if kernel else "oneDNN/ATen"
+                linear_rows.append([dtype, label, rows, seconds * 1e3, weight_bytes / seconds / 1e9])
+                report["linears"][f"{dtype} / {label} / {rows} rows"] = seconds
+        target.decode = "fast"
+
+    step_table = markdown_table(
+        ["dtype", "forward", "linears", *(f"T({n}) ms" for n in TOKEN_COUNTS), "T(8) / T(1)"], step_rows
+    )
+    linear_table = markdown_table(["dtype", "linears", "rows", "all linears ms", "GB/s"], linear_rows)
+    text = (
+        "## The runner's forward, per backend (reference target, "
+        f"{args.context_length} cached tokens, median of {args.rounds} interleaved profiles)\n\n"
+        f"{step_table}\n\n## Every linear layer once (the weights one step reads)\n\n{linear_table}\n"
+    )
+    print(text)
+    write_text(out / "target_step.md", text)
+    write_json(out / "target_step.json", report)
+    plot_lines(
+        out / "target_step.png",
+        series,
+        title="Target forward time by tokens verified",
+        xlabel="tokens in the forward (n)",
+        ylabel="T_verify(n), ms",
+    )
+    return out
+
+
+def _linear_weight_bytes(target) -> int:
+    text = target.model.model.language_model
+    layers = sum(p.numel() * p.element_size() for n, p in text.layers.named_parameters() if "proj" in n)
+    head = target.model.get_output_embeddings().weight
+    return layers + head.numel() * head.element_size()
+
+
+if __name__ == "__main__":
+    main()
