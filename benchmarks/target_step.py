@@ -7,7 +7,7 @@ run, for every backend the runner has on this machine:
 * ``fast, oneDNN/ATen``: the packed decoder with the AVX2 kernel turned off, its linears
   through oneDNN's reordered weights (float32) or ATen (bfloat16 without AVX-512);
 * ``fast, kernel``: the packed decoder over vlmspec's matrix-vector kernel
-  (``vlmspec/targets/cpu_linear.py``), the default where it builds.
+  (``vlmspec/targets/cpu_kernels.py``), the default where it builds.
 
 Each configuration is profiled ``--rounds`` times in turn (A, B, C, A, B, C, ...), so a
 slow minute of the shared machine hits all of them, and the median of its rounds is
@@ -50,19 +50,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 @contextmanager
 def kernel_enabled(enabled: bool) -> Iterator[None]:
     """Turn vlmspec's CPU kernel on or off for the linears packed inside this block."""
-    from vlmspec.targets import cpu_linear
+    from vlmspec.targets import cpu_kernels
 
-    saved = os.environ.get(cpu_linear.KERNEL_ENV)
-    os.environ[cpu_linear.KERNEL_ENV] = "1" if enabled else "0"
-    cpu_linear.kernel_available.cache_clear()
+    saved = os.environ.get(cpu_kernels.KERNEL_ENV)
+    os.environ[cpu_kernels.KERNEL_ENV] = "1" if enabled else "0"
+    cpu_kernels.kernel_available.cache_clear()
     try:
         yield
     finally:
         if saved is None:
-            os.environ.pop(cpu_linear.KERNEL_ENV, None)
+            os.environ.pop(cpu_kernels.KERNEL_ENV, None)
         else:
-            os.environ[cpu_linear.KERNEL_ENV] = saved
-        cpu_linear.kernel_available.cache_clear()
+            os.environ[cpu_kernels.KERNEL_ENV] = saved
+        cpu_kernels.kernel_available.cache_clear()
 
 
 def step_times(target, decode: str, kernel: bool, args: argparse.Namespace) -> tuple[dict[int, float], str]:

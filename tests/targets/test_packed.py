@@ -90,3 +90,18 @@ def test_weights_changed_in_place_are_repacked(make_target):
     with torch.no_grad():
         target.model.lm_head.weight.mul_(1.0)  # any in-place write counts
     assert target.packed_decoder() is not first
+
+
+def test_a_norm_with_other_arithmetic_keeps_its_own_forward():
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRMSNorm
+
+    from vlmspec.targets.packed import fast_norm
+
+    class OffsetRMSNorm(Qwen2VLRMSNorm):  # Gemma-style (1 + weight): an RMSNorm by name, not by arithmetic
+        def forward(self, hidden_states):
+            return super().forward(hidden_states) + hidden_states.new_tensor(1.0) * hidden_states
+
+    plain, offset, layer_norm = Qwen2VLRMSNorm(32), OffsetRMSNorm(32), torch.nn.LayerNorm(32)
+    assert fast_norm(offset) is offset and fast_norm(layer_norm) is layer_norm
+    x = torch.randn(2, 32)
+    torch.testing.assert_close(fast_norm(plain)(x), plain(x), rtol=1e-6, atol=1e-6)

@@ -91,8 +91,10 @@ def test_a_failed_forward_leaves_every_row_intact(make_target):
     def fail(module, args, output):
         raise RuntimeError("injected failure after the first layers wrote their KV")
 
-    # A module both decode modes run (the fast one calls the layers' norms, not the layers).
-    handle = target.model.model.language_model.layers[2].post_attention_layernorm.register_forward_hook(fail)
+    # A module both decode modes run (the fast one calls the layers' activations, not the layers).
+    activation = target.model.model.language_model.layers[2].mlp.act_fn
+    assert isinstance(activation, torch.nn.Module)
+    handle = activation.register_forward_hook(fail)
     try:
         with pytest.raises(RuntimeError, match="injected"):
             batch.verify(torch.tensor([[9, 9, 9], [9, 9, 9]]), torch.tensor([3, 3]))

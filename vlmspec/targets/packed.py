@@ -4,7 +4,7 @@ A Hugging Face eager forward of a small model on a CPU spends most of a decode s
 its matrix-vector products, and ATen's ``F.linear`` reads an ``[N, K]`` weight at well
 under the machine's memory bandwidth when it multiplies one or a few rows (the T_step
 and T_verify terms of the performance model, docs/design.md §21). On x86 CPUs the
-linears here run through vlmspec's own AVX2 kernel (:mod:`vlmspec.targets.cpu_linear`),
+linears here run through vlmspec's own AVX2 kernel (:mod:`vlmspec.targets.cpu_kernels`),
 which reads float32 and bfloat16 weights as the model stores them near the memory
 bandwidth; elsewhere through oneDNN's reordered weights or ATen
 (``benchmarks/target_step.py`` measures each backend, term by term).
@@ -14,8 +14,9 @@ after a prefill (decode and verify):
 
 * every linear layer goes through a :class:`PackedLinear` (q/k/v fused into one, gate
   and up into one), whose backend is chosen once per weight;
-* the norms, the activation and the q/k norms of Qwen3-VL are the model's own modules,
-  so they compute exactly what transformers computes;
+* the activation is the model's own module; the norms (and Qwen3-VL's q/k norms) run as
+  one kernel call each where that computes what the model's module computes (checked on a
+  probe when packing), else as the module;
 * positions are 1-D: after the prompt every token of a Qwen-VL request sits at the same
   M-RoPE position in all three components, so both M-RoPE layouts (sectioned and
   interleaved) reduce to plain RoPE over the model's own ``inv_freq``;
@@ -32,13 +33,14 @@ scheduling.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlmspec.targets.cpu_linear import MAX_ROWS, kernel_applies, skinny_linear
+from vlmspec.targets.cpu_kernels import MAX_ROWS, kernel_applies, rms_norm, skinny_linear
 
 # oneDNN reorders a weight for an expected number of rows; 8 is the verify width of a
 # speculative round, and measured faster than 1 for 4-16 rows at a small cost for 1.
@@ -59,7 +61,7 @@ class PackedLinear:
 
     ``backend`` is chosen once:
 
-    * ``"kernel"``: vlmspec's AVX2 matrix-vector kernel (:mod:`vlmspec.targets.cpu_linear`)
+    * ``"kernel"``: vlmspec's AVX2 matrix-vector kernel (:mod:`vlmspec.targets.cpu_kernels`)
       over the fused weight as stored, float32 or bfloat16, for up to ``MAX_ROWS`` rows;
       more rows go through ATen's GEMM, which is the better tool there;
     * ``"onednn"``: the weight reordered once for oneDNN (a CPU without the kernel);
@@ -92,19 +94,42 @@ def _linear(*modules: nn.Linear) -> PackedLinear:
     return PackedLinear([m.weight for m in modules], [m.bias for m in modules])
 
 
+def fast_norm(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The kernel's one-call RMSNorm where it computes what ``module`` computes, else ``module`` itself.
+
+    A module qualifies by its interface (an RMSNorm with ``weight`` and ``variance_epsilon``)
+    and by agreeing with the kernel on a probe, so a norm with other arithmetic (an offset
+    weight, another epsilon) keeps its own forward.
+    """
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if not type(module).__name__.endswith("RMSNorm") or weight is None or eps is None or weight.dim() != 1:
+        return module
+    if not kernel_applies(weight):
+        return module
+    weight = weight.detach()
+    probe = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    with torch.no_grad():
+        expected = module(probe).float()
+    tolerance = 1e-5 if weight.dtype == torch.float32 else 1e-2
+    if not torch.allclose(rms_norm(probe, weight, float(eps)).float(), expected, rtol=tolerance, atol=tolerance):
+        return module
+    return functools.partial(rms_norm, weight=weight, eps=float(eps))
+
+
 class _Layer:
-    """One decoder layer's fused linears and the model's own norms and activation."""
+    """One decoder layer's fused linears and the model's own norms (or their one-call twins) and activation."""
 
     def __init__(self, layer: nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.input_norm, self.post_norm = fast_norm(layer.input_layernorm), fast_norm(layer.post_attention_layernorm)
         self.qkv = _linear(attn.q_proj, attn.k_proj, attn.v_proj)
         self.out = _linear(attn.o_proj)
         self.gate_up = _linear(mlp.gate_proj, mlp.up_proj)
         self.down = _linear(mlp.down_proj)
         self.act = mlp.act_fn
-        self.q_norm = getattr(attn, "q_norm", None)  # Qwen3-VL normalises q and k per head
-        self.k_norm = getattr(attn, "k_norm", None)
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3-VL: per head
+        self.q_norm = None if q_norm is None else fast_norm(q_norm)
+        self.k_norm = None if k_norm is None else fast_norm(k_norm)
         self.split = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
 
 
@@ -125,7 +150,7 @@ class PackedDecoder:
         self._sources = [*text.parameters(), *model.get_output_embeddings().parameters()]  # not the vision tower
         self._stamp = self._source_stamp()
         self.embed = text.embed_tokens
-        self.norm = text.norm
+        self.norm = fast_norm(text.norm)
         self.layers = [_Layer(layer) for layer in text.layers]
         self.head = _linear(model.get_output_embeddings())
         self.inv_freq = text.rotary_emb.inv_freq.detach().float()  # [hd / 2]
@@ -167,12 +192,16 @@ class PackedDecoder:
         captured = {}
         for index, layer in enumerate(self.layers):
             x = layer.input_norm(hidden)
-            q, k, v = layer.qkv(x).split(layer.split, dim=-1)
-            q = q.view(n, self.heads, self.head_dim)
-            k = k.view(n, self.kv_heads, self.head_dim)
-            if layer.q_norm is not None:
-                q, k = layer.q_norm(q), layer.k_norm(k)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            qkv = layer.qkv(x)
+            if layer.q_norm is None:  # q and k sit side by side in qkv: rotate them as one tensor
+                qk = _rotate(qkv[:, : layer.split[0] + layer.split[1]].view(n, -1, self.head_dim), cos, sin)
+                q, k = qk[:, : self.heads], qk[:, self.heads :]
+                v = qkv[:, layer.split[0] + layer.split[1] :]
+            else:
+                q, k, v = qkv.split(layer.split, dim=-1)
+                q = layer.q_norm(q.view(n, self.heads, self.head_dim))
+                k = layer.k_norm(k.view(n, self.kv_heads, self.head_dim))
+                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             keys, values = write_kv(index, k, v.view(n, self.kv_heads, self.head_dim))
             attended = attend(q, keys, values, self.scaling)  # [B, H, hd]
             hidden = hidden + layer.out(attended.reshape(n, -1))
@@ -185,12 +214,18 @@ class PackedDecoder:
         return logits, features
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [B, 1, hd] as transformers computes them (float32, then the model's dtype)."""
+        """cos and signed sin [B, 1, hd]: transformers' values (float32, then the model's dtype).
+
+        The sin of the first half is negated once here, so that :func:`_rotate` needs no
+        negation per layer: ``(-x2) * s == -(x2 * s)`` exactly, in any dtype.
+        """
         freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None]  # [B, hd / 2]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, hd]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        sin = angles.sin().to(dtype)
+        half = sin.shape[-1] // 2
+        return angles.cos().to(dtype), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x: [B, heads, hd]
-    first, second = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-second, first), dim=-1) * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:  # x: [B, heads, hd]
+    """transformers' ``x * cos + rotate_half(x) * sin``, with rotate_half's negation folded into the sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

@@ -284,10 +284,19 @@ class _RaggedCache:
         self._keys, self._values, self._layout = keys, values, layout
         device = keys[0].device
         self._rows, self._slots = layout.rows.to(device), layout.slots.to(device)
+        # One row's new tokens take consecutive slots: a slice copy, not a scatter.
+        self._span = None
+        if layout.num_rows == 1 and layout.slots.numel():
+            start = int(layout.slots[0])
+            self._span = slice(start, start + layout.slots.numel())
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value_states: [1, Hkv, B, hd] of the packed tokens; returns this layer's whole buffers."""
         keys, values = self._keys[layer_idx], self._values[layer_idx]
+        if self._span is not None:
+            keys[0, :, self._span] = key_states[0]
+            values[0, :, self._span] = value_states[0]
+            return keys, values
         keys[self._rows, :, self._slots] = key_states[0].transpose(0, 1).to(keys.dtype)  # [B, Hkv, hd]
         values[self._rows, :, self._slots] = value_states[0].transpose(0, 1).to(values.dtype)
         return keys, values
@@ -326,6 +335,17 @@ def attend_rows(
     """Each row's queries over its own buffer row's valid slots, padded to [R, H, W, hd] for one SDPA call."""
     heads, dim = query.shape[1], query.shape[2]
     rows, width, slots = layout.num_rows, layout.width, layout.keys
+    if rows == 1:
+        # One row: its packed tokens are already its padded ones, and a lone query sees every slot.
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1)[None],  # [1, H, B, hd]
+            key[:1, :, :slots],
+            value[:1, :, :slots],
+            attn_mask=None if width == 1 else layout.mask,
+            scale=scaling,
+            enable_gqa=heads != key.shape[1],
+        )  # [1, H, B, hd]
+        return out[0].transpose(0, 1)
     padded_index = layout.padded.to(query.device)
     padded = query.new_zeros(rows * width, heads, dim)
     padded[padded_index] = query

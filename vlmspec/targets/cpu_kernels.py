@@ -1,4 +1,4 @@
-"""A matrix-vector kernel for decode and verify steps on x86 CPUs (AVX2 + FMA).
+"""CPU kernels for decode and verify steps on x86 (AVX2 + FMA): matrix-vector products and RMSNorm.
 
 A decode step of a small model on a CPU is mostly ``x @ W.T`` for one to eight rows of
 ``x``: its cost is the time to read ``W`` from memory. Neither library torch ships reads
@@ -19,7 +19,7 @@ the bytes (``benchmarks/target_step.py`` measures every linear of the model and 
 whole step, per backend). The kernel reads the
 model's own weight tensors, so it needs no packed copy.
 
-The kernel (``cpu_linear.cpp``) is compiled on first use, once per machine and torch
+The kernel (``cpu_kernels.cpp``) is compiled on first use, once per machine and torch
 version, into ``$VLMSPEC_CACHE/kernels`` (about 20 s; needs g++ and ninja, which
 ``pip install vlmspec`` brings). Where it cannot be built or run, :func:`skinny_linear`
 is unavailable and the fast forward falls back to oneDNN or ATen, with one warning that
@@ -40,7 +40,7 @@ import torch
 from vlmspec.paths import default_cache_dir
 
 KERNEL_ENV = "VLMSPEC_CPU_KERNEL"
-SOURCE = Path(__file__).with_name("cpu_linear.cpp")
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # Measured on the AVX2 EPYC, a pass over every linear of the reference target: the kernel
 # beats ATen's GEMM at every row count up to 64 (float32 223 against 333 ms at 64 rows,
 # bfloat16 252 against 1,051). Past that, products become compute bound and a GEMM library
@@ -57,6 +57,14 @@ def kernel_applies(weight: torch.Tensor) -> bool:
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` [M, K] with few rows, summed in float32, in ``x``'s dtype."""
     return torch.ops.vlmspec.skinny_linear(x, weight, bias)  # [M, N]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., d] -> [..., d]
+    """Qwen-VL's RMSNorm in one call, with transformers' roundings: ``weight * (x * rsqrt(mean(x^2) + eps))``.
+
+    ``x`` and ``weight`` share a dtype (float32 or bfloat16); the sum of squares is float32.
+    """
+    return torch.ops.vlmspec.rms_norm(x, weight, eps)
 
 
 @functools.cache
@@ -89,7 +97,7 @@ def _build_and_load() -> None:
 
     build_dir = _build_directory()
     build_dir.mkdir(parents=True, exist_ok=True)
-    name = "vlmspec_cpu_linear"
+    name = "vlmspec_cpu_kernels"
     if not (build_dir / f"{name}.so").exists():
         print("vlmspec: compiling the CPU matrix-vector kernel, once per machine (about 20 s)", file=sys.stderr)
     load(

@@ -1,5 +1,5 @@
 // y = x @ W.T + b for a few rows of x: the matrix-vector products of a decode or verify step
-// on an x86 CPU with AVX2 and FMA (see vlmspec/targets/cpu_linear.py for why and when).
+// on an x86 CPU with AVX2 and FMA (see vlmspec/targets/cpu_kernels.py for why and when).
 //
 // W is [N, K], row-major, float32 or bfloat16, as the model stores it: no repacking, so the
 // kernel reads each weight once per call, straight from the model's own tensor. Each output
@@ -12,6 +12,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -178,8 +179,51 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const st
   return out.to(x.scalar_type());
 }
 
+// ---- RMSNorm in one call ------------------------------------------------------------
+// transformers' Qwen-VL RMSNorm is eight tensor ops, each a few microseconds of dispatch on
+// a vector of a few hundred floats: 60 per step of the reference target. This is the same
+// arithmetic in the same order of roundings: x in float32, mean of squares, x * 1/sqrt(var
+// + eps), rounded to x's dtype, then times the weight, rounded again.
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* weight, int64_t rows, int64_t d, float eps, T* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* row = x + r * d;
+    float sum = 0.0f;
+    for (int64_t j = 0; j < d; ++j) sum += static_cast<float>(row[j]) * static_cast<float>(row[j]);
+    const float inverse = 1.0f / std::sqrt(sum / static_cast<float>(d) + eps);
+    for (int64_t j = 0; j < d; ++j) {
+      const T normed = static_cast<T>(static_cast<float>(row[j]) * inverse);
+      out[r * d + j] = static_cast<T>(static_cast<float>(weight[j]) * static_cast<float>(normed));
+    }
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() && weight.dim() == 1 && x.size(-1) == weight.size(0),
+              "rms_norm: x [..., d] and weight [d] of one dtype expected, got ", x.sizes(), " ", x.scalar_type(),
+              " and ", weight.sizes(), " ", weight.scalar_type());
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  const int64_t d = xc.size(-1), rows = d ? xc.numel() / d : 0;
+  if (x.scalar_type() == at::kFloat) {
+    rms_norm_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), rows, d, static_cast<float>(eps), out.data_ptr<float>());
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rms_norm: float32 or bfloat16, got ", x.scalar_type());
+    rms_norm_rows(xc.data_ptr<at::BFloat16>(), wc.data_ptr<at::BFloat16>(), rows, d, static_cast<float>(eps),
+                  out.data_ptr<at::BFloat16>());
+  }
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY(vlmspec, m) { m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY(vlmspec, m) {
+  m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(vlmspec, CPU, m) { m.impl("skinny_linear", skinny_linear); }
+TORCH_LIBRARY_IMPL(vlmspec, CPU, m) {
+  m.impl("skinny_linear", skinny_linear);
+  m.impl("rms_norm", rms_norm);
+}
