@@ -55,6 +55,7 @@ def test_compare_fails_when_a_greedy_answer_differs_from_the_target_alone(capsys
     )
     err = capsys.readouterr().err
     assert code == 1 and "output: DIFFERENT" in err and "differs from the target alone's at token 2" in err
+    assert "speedup: not comparable" in err and "x   output" not in err
 
 
 def test_user_errors_exit_2_with_the_fix(capsys):
