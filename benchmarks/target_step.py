@@ -7,7 +7,9 @@ run, for every backend the runner has on this machine:
 * ``fast, oneDNN/ATen``: the packed decoder with the AVX2 kernel turned off, its linears
   through oneDNN's reordered weights (float32) or ATen (bfloat16 without AVX-512);
 * ``fast, kernel``: the packed decoder over vlmspec's matrix-vector kernel
-  (``vlmspec/targets/cpu_kernels.py``), the default where it builds.
+  (``vlmspec/targets/cpu_kernels.py``), the default where it builds: its AVX-512 (and
+  AVX512-BF16) form where the CPU has it, and on such CPUs also ``fast, kernel (AVX2)``,
+  the same kernels held to AVX2 (``VLMSPEC_CPU_ISA=avx2``), to show what AVX-512 moves.
 
 Each configuration is profiled ``--rounds`` times in turn (A, B, C, A, B, C, ...), so a
 slow minute of the shared machine hits all of them, and the median of its rounds is
@@ -43,34 +45,48 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="profiles of each configuration, interleaved")
     parser.add_argument("--repeats", type=int, default=8, help="timed forwards per token count and profile")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--config", action="append", choices=tuple(CONFIGS), help="forwards to time (default: every one this CPU has)"
+    )
     parser.add_argument("--out", default="runs/target-step")
     return parser.parse_args(argv)
 
 
+# name -> (decode mode, kernel on, ISA the kernel may use: "native" or "avx2")
+CONFIGS = {
+    "reference (transformers eager)": ("reference", True, "native"),
+    "fast, oneDNN/ATen linears": ("fast", False, "native"),
+    "fast, vlmspec kernel (AVX2)": ("fast", True, "avx2"),
+    "fast, vlmspec kernel": ("fast", True, "native"),
+}
+
+
 @contextmanager
-def kernel_enabled(enabled: bool) -> Iterator[None]:
-    """Turn vlmspec's CPU kernel on or off for the linears packed inside this block."""
+def kernel_enabled(enabled: bool, isa: str = "native") -> Iterator[None]:
+    """Turn vlmspec's CPU kernel on or off (and hold it to AVX2) for the linears packed inside this block."""
     from vlmspec.targets import cpu_kernels
 
-    saved = os.environ.get(cpu_kernels.KERNEL_ENV)
-    os.environ[cpu_kernels.KERNEL_ENV] = "1" if enabled else "0"
+    settings = {cpu_kernels.KERNEL_ENV: "1" if enabled else "0", cpu_kernels.ISA_ENV: isa}
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
     cpu_kernels.kernel_available.cache_clear()
     try:
         yield
     finally:
-        if saved is None:
-            os.environ.pop(cpu_kernels.KERNEL_ENV, None)
-        else:
-            os.environ[cpu_kernels.KERNEL_ENV] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         cpu_kernels.kernel_available.cache_clear()
 
 
-def step_times(target, decode: str, kernel: bool, args: argparse.Namespace) -> tuple[dict[int, float], str]:
+def step_times(target, decode: str, kernel: bool, isa: str, args: argparse.Namespace) -> tuple[dict[int, float], str]:
     """T_verify(n) in seconds for n in TOKEN_COUNTS (the runner's forward, as `vlmspec profile` times it)."""
     from vlmspec.targets.profile import profile_target
 
     target.decode = decode
-    with kernel_enabled(kernel):
+    with kernel_enabled(kernel, isa):
         target.to_device(target.device)  # drops the packed weights: repacked for this backend
         backend = target.packed_decoder().backend if decode == "fast" else "transformers"
         table = profile_target(
@@ -79,9 +95,9 @@ def step_times(target, decode: str, kernel: bool, args: argparse.Namespace) -> t
     return {n: 1.0 / table.sps(n) for n in TOKEN_COUNTS}, backend
 
 
-def linear_pass_seconds(target, kernel: bool, rows: int) -> float:
+def linear_pass_seconds(target, kernel: bool, isa: str, rows: int) -> float:
     """One pass of ``rows`` rows through every packed linear of the model (the weights a step reads)."""
-    with kernel_enabled(kernel):
+    with kernel_enabled(kernel, isa):
         target.to_device(target.device)
         decoder = target.packed_decoder()
         linears = [lin for layer in decoder.layers for lin in (layer.qkv, layer.out, layer.gate_up, layer.down)]
@@ -108,11 +124,10 @@ def main(argv: Sequence[str] | None = None) -> Path:
     from vlmspec.targets.adapter import load_target
 
     out = prepare_out_dir(args.out)
-    configs = {
-        "reference (transformers eager)": ("reference", True),
-        "fast, oneDNN/ATen linears": ("fast", False),
-        "fast, vlmspec kernel": ("fast", True),
-    }
+    from vlmspec.targets.cpu_kernels import cpu_has_avx512
+
+    default = [name for name, (_, _, isa) in CONFIGS.items() if isa == "native" or cpu_has_avx512()]
+    configs = {name: CONFIGS[name] for name in args.config or default}
     report: dict = {"configs": {}, "linears": {}}
     step_rows, linear_rows, series = [], [], {}
     for dtype in args.dtype or ("float32", "bfloat16"):
@@ -132,10 +147,11 @@ def main(argv: Sequence[str] | None = None) -> Path:
                 [dtype, name, backends[name], *(median[n] * 1e3 for n in TOKEN_COUNTS), median[8] / median[1]]
             )
             series[f"{dtype}: {name}"] = (list(TOKEN_COUNTS), [median[n] * 1e3 for n in TOKEN_COUNTS])
-        for kernel in (False, True):
+        linear_configs = {name: config for name, config in configs.items() if config[0] == "fast"}
+        for name, (_, kernel, isa) in linear_configs.items():
             for rows in (1, 8):
-                seconds = linear_pass_seconds(target, kernel, rows)
-                label = "vlmspec kernel" if kernel else "oneDNN/ATen"
+                seconds = linear_pass_seconds(target, kernel, isa, rows)
+                label = name.removeprefix("fast, ")
                 linear_rows.append([dtype, label, rows, seconds * 1e3, weight_bytes / seconds / 1e9])
                 report["linears"][f"{dtype} / {label} / {rows} rows"] = seconds
         target.decode = "fast"

@@ -14,18 +14,23 @@ needs_kernel = pytest.mark.skipif(
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 33])
-def test_the_kernel_computes_x_times_w_transposed_plus_bias(dtype, rows):
+@pytest.mark.parametrize("isa", ["native", "avx2"])  # native: the AVX-512 kernels where the CPU has them
+@pytest.mark.parametrize(
+    "dtype,x_dtype", [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.bfloat16, torch.float32)]
+)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 33])
+def test_the_kernel_computes_x_times_w_transposed_plus_bias(dtype, x_dtype, rows, isa, monkeypatch):
+    if isa == "avx2":
+        monkeypatch.setenv("VLMSPEC_CPU_ISA", "avx2")
     generator = torch.Generator().manual_seed(rows)
-    # 37 outputs and 45 inputs: a partial tile of rows of W, and a K that is not a multiple of 8.
-    for n, k, with_bias in ((37, 45, True), (64, 576, False), (1000, 96, True)):
+    # 37 outputs and 45 inputs: a partial tile of rows of W, and a K that is not a multiple of 8, 16 or 32.
+    for n, k, with_bias in ((37, 45, True), (64, 576, False), (1000, 96, True), (9, 1536, False)):
         weight = torch.randn(n, k, generator=generator).to(dtype)
-        x = torch.randn(rows, k, generator=generator).to(dtype)
+        x = torch.randn(rows, k, generator=generator).to(x_dtype)
         bias = torch.randn(n, generator=generator).to(dtype) if with_bias else None
         expected = x.double() @ weight.double().T + (bias.double() if with_bias else 0)
         result = cpu_kernels.skinny_linear(x, weight, bias)
-        assert result.dtype == dtype and result.shape == (rows, n)
+        assert result.dtype == x_dtype and result.shape == (rows, n)
         # float32 sums in another order than float64; bfloat16 adds one rounding of the output.
         tolerance = 1e-4 * k**0.5 if dtype == torch.float32 else 1e-2 * expected.abs().max().item()
         torch.testing.assert_close(
@@ -74,3 +79,34 @@ def test_rms_norm_computes_what_the_qwen_vl_module_computes(dtype):
     # The same roundings in the same order; only the sum of squares may add in another order.
     tolerance = 1e-6 if dtype == torch.float32 else 8e-3  # bfloat16: at most one rounding step
     torch.testing.assert_close(result.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_sdpa_over_each_rows_visible_slots(dtype):
+    generator = torch.Generator().manual_seed(0)
+    rows_cap, kv_heads, slots, head_dim, heads = 3, 2, 40, 16, 6  # grouped heads: 3 queries per KV head
+    keys = torch.randn(rows_cap, kv_heads, slots, head_dim, generator=generator).to(dtype)
+    values = torch.randn(rows_cap, kv_heads, slots, head_dim, generator=generator).to(dtype)
+    rows = torch.tensor([0, 0, 0, 2, 1])  # a 3-token verify in row 0, one token in rows 2 and 1
+    visible = torch.tensor([10, 11, 12, 40, 1])
+    query = torch.randn(5, heads, head_dim, generator=generator).to(dtype)
+    result = cpu_kernels.decode_attention(query, keys, values, rows, visible, 0.25)
+    assert result.shape == query.shape and result.dtype == dtype
+    for b in range(5):
+        n = int(visible[b])
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query[b, :, None].float(),  # [H, 1, hd]
+            keys[rows[b], :, :n].float().repeat_interleave(3, dim=0),
+            values[rows[b], :, :n].float().repeat_interleave(3, dim=0),
+            scale=0.25,
+        )[:, 0]
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(result[b].float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@needs_kernel
+def test_decode_attention_refuses_a_row_outside_the_buffer():
+    keys = torch.zeros(1, 1, 4, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_kernels.decode_attention(torch.zeros(1, 1, 8), keys, keys, torch.tensor([1]), torch.tensor([2]), 1.0)

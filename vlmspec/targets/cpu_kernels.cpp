@@ -12,10 +12,13 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 namespace {
 
@@ -157,16 +160,163 @@ void matmul(const float* x, int64_t M, const W* w, int64_t N, int64_t K, float* 
   for (int64_t n = blocks * NR; n < N; ++n) row_block<1, 1>(x, M, w + n * K, N, K, out + n);
 }
 
+// ---- AVX-512: 16 float32 or 32 bfloat16 weights per load ------------------------------
+// The same two shapes (one stream per thread for one row, register tiles for several) on
+// 512-bit registers, compiled for AVX-512 here and chosen at run time only on CPUs that have
+// it. bfloat16 weights times bfloat16 activations use AVX512-BF16's dot product
+// (vdpbf16ps): 32 products per instruction, each exact in float32 and summed in float32, so
+// an activation that is already bfloat16 (a bfloat16 model's) loses nothing. That takes the
+// verify forward from compute-bound back towards the memory bound (benchmarks/target_step.py).
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
+
+namespace avx512 {
+
+// Lane type per weight dtype: a float32 lane holds 1 weight, a bfloat16 pair lane 2.
+template <typename W>
+struct Lanes;
+template <>
+struct Lanes<float> {
+  static constexpr int64_t kPerVector = 16;
+  static __m512 load(const float* p, int64_t left) {
+    return left >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << left) - 1), p);
+  }
+  static __m512 fma(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
+};
+template <>
+struct Lanes<uint16_t> {
+  static constexpr int64_t kPerVector = 32;
+  static __m512 load(const uint16_t* p, int64_t left) {
+    const __m512i v = left >= 32 ? _mm512_loadu_si512(p)
+                                 : _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << left) - 1), p);
+    return _mm512_castsi512_ps(v);
+  }
+  static __m512 fma(__m512 acc, __m512 w, __m512 x) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(w), (__m512bh)_mm512_castps_si512(x));
+  }
+};
+
+// One row of x (x and w share the element type T): U accumulators over one stream of w.
+template <typename T>
+inline float row_dot(const T* x, const T* w, int64_t K) {
+  using L = Lanes<T>;
+  constexpr int U = 4;
+  constexpr int64_t V = L::kPerVector;
+  __m512 acc[U];
+  for (int u = 0; u < U; ++u) acc[u] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + V * U <= K; k += V * U)
+    for (int u = 0; u < U; ++u) acc[u] = L::fma(acc[u], L::load(w + k + V * u, V), L::load(x + k + V * u, V));
+  for (; k < K; k += V) acc[0] = L::fma(acc[0], L::load(w + k, K - k), L::load(x + k, K - k));
+  for (int u = 1; u < U; ++u) acc[0] = _mm512_add_ps(acc[0], acc[u]);
+  return _mm512_reduce_add_ps(acc[0]);
+}
+
+template <typename T>
+void matvec(const T* x, const T* w, int64_t N, int64_t K, float* out) {
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) out[n] = row_dot(x, w + n * K, K);
+  });
+}
+
+// NR rows of w against MR rows of x: NR x MR accumulators, NR weight vectors and one x
+// vector in the 32 registers. Full vectors first, then one masked tail, so the hot loop has
+// no branch and keeps every accumulator in a register.
+template <int NR, int MR, typename T>
+inline void dot_tile(const T* x, const T* w, int64_t K, float* out, int64_t ldo) {
+  using L = Lanes<T>;
+  constexpr int64_t V = L::kPerVector;
+  __m512 acc[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
+  auto step = [&](int64_t k, int64_t left) __attribute__((always_inline)) {
+    __m512 wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = L::load(w + r * K + k, left);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = L::load(x + m * K + k, left);
+      for (int r = 0; r < NR; ++r) acc[r][m] = L::fma(acc[r][m], wv[r], xv);
+    }
+  };
+  int64_t k = 0;
+  for (; k + V <= K; k += V) step(k, V);
+  if (k < K) step(k, K - k);
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) out[m * ldo + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+// All M rows of x against NR rows of w: 8 rows of x at a time (a whole verify of 8 tokens
+// in one pass over the weights), then the rest.
+template <int NR, typename T>
+inline void row_block(const T* x, int64_t M, const T* w, int64_t N, int64_t K, float* out) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) dot_tile<NR, 8>(x + m * K, w, K, out + m * N, N);
+  switch (M - m) {
+    case 7: dot_tile<NR, 7>(x + m * K, w, K, out + m * N, N); break;
+    case 6: dot_tile<NR, 6>(x + m * K, w, K, out + m * N, N); break;
+    case 5: dot_tile<NR, 5>(x + m * K, w, K, out + m * N, N); break;
+    case 4: dot_tile<NR, 4>(x + m * K, w, K, out + m * N, N); break;
+    case 3: dot_tile<NR, 3>(x + m * K, w, K, out + m * N, N); break;
+    case 2: dot_tile<NR, 2>(x + m * K, w, K, out + m * N, N); break;
+    case 1: dot_tile<NR, 1>(x + m * K, w, K, out + m * N, N); break;
+    default: break;
+  }
+}
+
+// 3 rows of w x 8 rows of x: 24 accumulators + 3 weight vectors + 1 x vector = 28 of 32 registers.
+template <typename T>
+void matmul(const T* x, int64_t M, const T* w, int64_t N, int64_t K, float* out) {
+  constexpr int NR = 3;
+  const int64_t blocks = N / NR;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) row_block<NR>(x, M, w + b * NR * K, N, K, out + b * NR);
+  });
+  for (int64_t n = blocks * NR; n < N; ++n) row_block<1>(x, M, w + n * K, N, K, out + n);
+}
+
+template <typename T>
+void linear(const T* x, int64_t M, const T* w, int64_t N, int64_t K, float* out) {
+  if (M == 1) matvec(x, w, N, K, out);
+  else matmul(x, M, w, N, K, out);
+}
+
+}  // namespace avx512
+
+#pragma GCC pop_options
+
+// VLMSPEC_CPU_ISA=avx2 keeps an AVX-512 CPU on the AVX2 kernels (how the tests cover both here).
+bool avx2_forced() {
+  const char* isa = std::getenv("VLMSPEC_CPU_ISA");
+  return isa != nullptr && std::strcmp(isa, "avx2") == 0;
+}
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return has && !avx2_forced();
+}
+bool cpu_has_avx512_bf16() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has && cpu_has_avx512();
+}
+
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "skinny_linear: x [M, K] and weight [N, K] expected, got ", x.sizes(), " and ", weight.sizes());
   TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
               "skinny_linear: float32 or bfloat16 weights, got ", weight.scalar_type());
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor w = weight.contiguous();
-  const int64_t M = xf.size(0), K = xf.size(1), N = w.size(0);
-  at::Tensor out = at::empty({M, N}, xf.options());
-  if (weight.scalar_type() == at::kFloat) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (weight.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 && cpu_has_avx512_bf16()) {
+    const at::Tensor xc = x.contiguous();
+    avx512::linear(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M,
+                   reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), N, K, out.data_ptr<float>());
+    if (bias.has_value()) out.add_(bias->to(at::kFloat));
+    return out.to(x.scalar_type());
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  if (weight.scalar_type() == at::kFloat && cpu_has_avx512()) {
+    avx512::linear(xf.data_ptr<float>(), M, w.data_ptr<float>(), N, K, out.data_ptr<float>());
+  } else if (weight.scalar_type() == at::kFloat) {
     const float* wp = w.data_ptr<float>();
     if (M == 1) matvec(xf.data_ptr<float>(), wp, N, K, out.data_ptr<float>());
     else matmul(xf.data_ptr<float>(), M, wp, N, K, out.data_ptr<float>());
@@ -216,14 +366,117 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+// ---- attention of a few new tokens over their rows' KV buffers ------------------------
+// A decode step attends one query (a verify: a few) per head over a few hundred cached keys:
+// about 150k multiply-adds a layer, which SDPA's CPU kernel takes 150-300 us to set up and
+// run. Here each (token, head) pair is one task: scores against its row's visible slots,
+// softmax in float32, then the weighted sum of values, all on AVX2 vectors of 8.
+//
+// query [B, H, hd]; keys, values [R_cap, Hkv, S_cap, hd] (the runner's buffers); rows [B] the
+// buffer row of each packed token; visible [B] how many slots it sees (its own slot + 1:
+// committed tokens, then the new ones causally). Heads share KV heads in groups of H / Hkv.
+
+// The sums of 8 vectors, as one vector: lane i holds the sum of v[i]'s 8 lanes.
+inline __m256 horizontal_sums(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));  // 0 1 2 3 | 0 1 2 3
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));  // 4 5 6 7 | 4 5 6 7
+  const __m256 low = _mm256_permute2f128_ps(a, b, 0x20), high = _mm256_permute2f128_ps(a, b, 0x31);
+  return _mm256_add_ps(low, high);
+}
+
+template <typename T>
+void attend_one(const float* q, const T* keys, const T* values, int64_t visible, int64_t hd, float scaling,
+                float* scores, float* out) {
+  float top = -INFINITY;
+  int64_t j = 0;
+  for (; j + 8 <= visible; j += 8) {  // 8 keys at a time, their 8 sums reduced together
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, load8(keys + (j + i) * hd + d), acc[i]);
+    }
+    const __m256 sums = _mm256_mul_ps(horizontal_sums(acc), _mm256_set1_ps(scaling));
+    _mm256_storeu_ps(scores + j, sums);
+  }
+  for (; j < visible; ++j) {
+    const T* k = keys + j * hd;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), acc);
+    scores[j] = horizontal_sum(acc) * scaling;
+  }
+  for (j = 0; j < visible; ++j) top = std::max(top, scores[j]);
+  float total = 0.0f;
+  for (int64_t j = 0; j < visible; ++j) {
+    scores[j] = std::exp(scores[j] - top);
+    total += scores[j];
+  }
+  for (int64_t d = 0; d < hd; d += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < visible; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), load8(values + j * hd + d), acc);
+    _mm256_storeu_ps(out + d, _mm256_mul_ps(acc, _mm256_set1_ps(1.0f / total)));
+  }
+}
+
+template <typename T>
+void attend_all(const float* query, const T* keys, const T* values, const int64_t* rows, const int64_t* visible,
+                int64_t B, int64_t H, int64_t Hkv, int64_t slots, int64_t hd, float scaling, float* out) {
+  const int64_t group = H / Hkv, row_stride = Hkv * slots * hd;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, visible[b]);
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(static_cast<size_t>(longest));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / H, h = task % H;
+      const int64_t offset = rows[b] * row_stride + (h / group) * slots * hd;
+      attend_one(query + task * hd, keys + offset, values + offset, visible[b], hd, scaling, scores.data(),
+                 out + task * hd);
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                            const at::Tensor& rows, const at::Tensor& visible, double scaling) {
+  TORCH_CHECK(query.dim() == 3 && keys.dim() == 4 && keys.sizes() == values.sizes(),
+              "decode_attention: query [B, H, hd] and keys/values [R, Hkv, S, hd] expected, got ", query.sizes(),
+              " and ", keys.sizes());
+  const int64_t B = query.size(0), H = query.size(1), hd = query.size(2);
+  const int64_t Hkv = keys.size(1), slots = keys.size(2);
+  TORCH_CHECK(keys.size(3) == hd && hd % 8 == 0 && H % Hkv == 0,
+              "decode_attention: head_dim a multiple of 8 and heads a multiple of KV heads expected");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "decode_attention: contiguous KV buffers expected");
+  TORCH_CHECK(keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16,
+              "decode_attention: float32 or bfloat16 KV, got ", keys.scalar_type());
+  const at::Tensor q = query.to(at::kFloat).contiguous();
+  const at::Tensor r = rows.to(at::kLong).contiguous(), v = visible.to(at::kLong).contiguous();
+  const int64_t* vp = v.data_ptr<int64_t>();
+  const int64_t* rp = r.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(rp[b] >= 0 && rp[b] < keys.size(0) && vp[b] >= 1 && vp[b] <= slots,
+                "decode_attention: row or visible slots out of range for token ", b);
+  at::Tensor out = at::empty({B, H, hd}, q.options());
+  const float scale = static_cast<float>(scaling);
+  if (keys.scalar_type() == at::kFloat) {
+    attend_all(q.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), rp, vp, B, H, Hkv, slots, hd,
+               scale, out.data_ptr<float>());
+  } else {
+    attend_all(q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
+               reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()), rp, vp, B, H, Hkv, slots, hd,
+               scale, out.data_ptr<float>());
+  }
+  return out.to(query.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vlmspec, m) {
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor rows, Tensor visible, float scaling) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vlmspec, CPU, m) {
   m.impl("skinny_linear", skinny_linear);
   m.impl("rms_norm", rms_norm);
+  m.impl("decode_attention", decode_attention);
 }

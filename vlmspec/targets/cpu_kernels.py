@@ -1,4 +1,4 @@
-"""CPU kernels for decode and verify steps on x86 (AVX2 + FMA): matrix-vector products and RMSNorm.
+"""CPU kernels for decode and verify steps on x86 (AVX2 + FMA, AVX-512 where present): linears, RMSNorm, attention.
 
 A decode step of a small model on a CPU is mostly ``x @ W.T`` for one to eight rows of
 ``x``: its cost is the time to read ``W`` from memory. Neither library torch ships reads
@@ -18,6 +18,17 @@ and bfloat16 weights, which oneDNN cannot use without native bfloat16, are read 
 the bytes (``benchmarks/target_step.py`` measures every linear of the model and the
 whole step, per backend). The kernel reads the
 model's own weight tensors, so it needs no packed copy.
+
+On CPUs with AVX-512 the linears take a 512-bit form chosen at run time, and bfloat16
+weights times bfloat16 activations use AVX512-BF16's dot product (``vdpbf16ps``, exact
+products summed in float32). On the 2-core AVX-512 EPYC, a pass over every linear of the
+reference target in bfloat16 reads at 39 GB/s for one row (AVX2 form: 32), and an 8-row
+tile of 3 weight rows by 8 activation rows keeps a verify near the memory bound on all but
+the LM head. ``VLMSPEC_CPU_ISA=avx2`` holds such a CPU to the AVX2 form (tests, A/B timings).
+
+:func:`decode_attention` attends one new token per row over its row's KV buffer, where
+SDPA's CPU kernel spends 150-300 us a layer on a few hundred keys (the runner uses it for
+decode steps, SDPA for verify widths above one).
 
 The kernel (``cpu_kernels.cpp``) is compiled on first use, once per machine and torch
 version, into ``$VLMSPEC_CACHE/kernels`` (about 20 s; needs g++ and ninja, which
@@ -40,6 +51,8 @@ import torch
 from vlmspec.paths import default_cache_dir
 
 KERNEL_ENV = "VLMSPEC_CPU_KERNEL"
+# "avx2" holds an AVX-512 CPU to the AVX2 kernels (read by the kernel at each call): for tests and A/B timings.
+ISA_ENV = "VLMSPEC_CPU_ISA"
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # Measured on the AVX2 EPYC, a pass over every linear of the reference target: the kernel
 # beats ATen's GEMM at every row count up to 64 (float32 223 against 333 ms at 64 rows,
@@ -67,6 +80,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.ops.vlmspec.rms_norm(x, weight, eps)
 
 
+def decode_attention(
+    query: torch.Tensor,  # [B, H, hd] packed, rotated queries
+    keys: torch.Tensor,  # [R_cap, Hkv, S_cap, hd] one layer's KV buffer, new keys written
+    values: torch.Tensor,  # [R_cap, Hkv, S_cap, hd]
+    rows: torch.Tensor,  # [B] int64 buffer row of each query
+    visible: torch.Tensor,  # [B] int64 slots it attends: 0 .. visible - 1
+    scaling: float,
+) -> torch.Tensor:  # [B, H, hd] in query's dtype
+    """Each query over its row's first ``visible`` slots (softmax in float32), for a few new tokens.
+
+    Needs contiguous buffers and a head dim that is a multiple of 8 (see :func:`attention_applies`).
+    """
+    return torch.ops.vlmspec.decode_attention(query, keys, values, rows, visible, scaling)
+
+
+def attention_applies(keys: torch.Tensor, head_dim: int) -> bool:
+    """Whether :func:`decode_attention` can read this KV buffer here."""
+    return keys.is_contiguous() and head_dim % 8 == 0 and kernel_applies(keys)
+
+
 @functools.cache
 def kernel_available() -> bool:
     """Build (once) and load the kernel; False, with one warning naming the fix, where that fails."""
@@ -86,6 +119,11 @@ def kernel_available() -> bool:
         )
         return False
     return True
+
+
+def cpu_has_avx512() -> bool:
+    """Whether the kernel takes its AVX-512 form here (AVX-512 CPU, not held to AVX2 by ``VLMSPEC_CPU_ISA``)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and os.environ.get(ISA_ENV, "native") != "avx2"
 
 
 def _cpu_has_avx2() -> bool:

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from vlmspec.targets.adapter import QwenVLTarget, RequestState
+from vlmspec.targets.cpu_kernels import attention_applies, decode_attention
 
 RAGGED_ATTENTION = "vlmspec_ragged"
 
@@ -188,10 +189,18 @@ class RaggedBatch:
         def write_kv(layer: int, k: torch.Tensor, v: torch.Tensor):  # k, v: [B, Hkv, hd]
             return cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], layer)
 
-        def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
-            return attend_rows(q, keys, values, layout, scaling)  # [B, H, hd]
+        decoder = self.target.packed_decoder()
+        if layout.width == 1 and attention_applies(self._keys[0], decoder.head_dim):
+            rows, visible = layout.rows.to(ids.device), (layout.slots + 1).to(ids.device)  # [B], [B]
 
-        return self.target.packed_decoder()(ids, positions, write_kv, attend, self.feature_layers)
+            def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+                return decode_attention(q, keys, values, rows, visible, scaling)  # [B, H, hd]
+        else:
+
+            def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+                return attend_rows(q, keys, values, layout, scaling)  # [B, H, hd]
+
+        return decoder(ids, positions, write_kv, attend, self.feature_layers)
 
     def _reference_forward(self, ids: torch.Tensor, positions: torch.Tensor, layout: _Layout):
         """transformers' own forward with the ragged attention: logits [B, V] float32, features [B, m * d] or None."""
