@@ -110,3 +110,39 @@ def test_decode_attention_refuses_a_row_outside_the_buffer():
     keys = torch.zeros(1, 1, 4, 8)
     with pytest.raises(RuntimeError, match="out of range"):
         cpu_kernels.decode_attention(torch.zeros(1, 1, 8), keys, keys, torch.tensor([1]), torch.tensor([2]), 1.0)
+
+
+@needs_kernel
+def test_decode_attention_softmax_is_exact_to_float32_rounding_over_a_wide_range_of_scores():
+    # Scores from -100 to +100 exercise the vectorised exp (flushed below -87 from the max) in full blocks of 8.
+    keys = torch.linspace(-1, 1, 64)[:, None].repeat(1, 8)[None, None]  # [1, 1, 64, 8]
+    values = torch.randn(1, 1, 64, 8, generator=torch.Generator().manual_seed(1))
+    query = torch.full((1, 1, 8), 12.5)
+    result = cpu_kernels.decode_attention(query, keys, values, torch.tensor([0]), torch.tensor([64]), 1.0)
+    expected = torch.softmax((keys[0, 0] @ query[0, 0]).double(), dim=0) @ values[0, 0].double()
+    torch.testing.assert_close(result[0, 0].double(), expected, atol=1e-6, rtol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_rounds_as_the_eager_rotation_and_writes_k_and_v_into_their_slots(dtype):
+    from vlmspec.targets.packed import _rotate
+
+    generator = torch.Generator().manual_seed(2)
+    heads, kv_heads, head_dim, tokens = 4, 2, 16, 3
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
+    angles = torch.rand(tokens, head_dim, generator=generator) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    keys, values = (
+        torch.zeros(2, kv_heads, 8, head_dim, dtype=dtype),
+        torch.zeros(2, kv_heads, 8, head_dim, dtype=dtype),
+    )
+    rows, slots = torch.tensor([1, 1, 0]), torch.tensor([5, 6, 2])
+    q = cpu_kernels.rope_write(qkv, cos, sin, keys, values, rows, slots, heads)
+    qk = _rotate(qkv[:, : (heads + kv_heads) * head_dim].view(tokens, -1, head_dim), cos[:, None], sin[:, None])
+    assert torch.equal(q, qk[:, :heads])  # bit for bit: the same roundings in the same order
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    for b in range(tokens):
+        assert torch.equal(keys[rows[b], :, slots[b]], qk[b, heads:])
+        assert torch.equal(values[rows[b], :, slots[b]], v[b])
+    assert int((keys != 0).any(dim=-1).sum()) == tokens * kv_heads  # nothing else written

@@ -298,35 +298,61 @@ bool cpu_has_avx512_bf16() {
   return has && cpu_has_avx512();
 }
 
+// The float32 sums [M, N] plus the bias, in x's dtype: bfloat16 rounded once here (as
+// ATen's float -> bfloat16 conversion rounds), without two more ATen calls per linear.
+at::Tensor finish(const at::Tensor& sums, const std::optional<at::Tensor>& bias, at::ScalarType dtype) {
+  const float* sp = sums.data_ptr<float>();
+  const int64_t M = sums.size(0), N = sums.size(1);
+  at::Tensor b;
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    b = bias->to(at::kFloat).contiguous();
+    bp = b.data_ptr<float>();
+  }
+  if (dtype == at::kFloat) {
+    if (bp != nullptr)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) const_cast<float*>(sp)[m * N + n] += bp[n];
+    return sums;
+  }
+  TORCH_CHECK(dtype == at::kBFloat16, "skinny_linear: float32 or bfloat16 activations, got ", dtype);
+  at::Tensor out = at::empty({M, N}, sums.options().dtype(at::kBFloat16));
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) op[m * N + n] = at::BFloat16(sp[m * N + n] + (bp != nullptr ? bp[n] : 0.0f));
+  return out;
+}
+
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "skinny_linear: x [M, K] and weight [N, K] expected, got ", x.sizes(), " and ", weight.sizes());
   TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
               "skinny_linear: float32 or bfloat16 weights, got ", weight.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "skinny_linear: float32 or bfloat16 activations, got ", x.scalar_type());
   const at::Tensor w = weight.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  at::Tensor sums = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* out = sums.data_ptr<float>();
   if (weight.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 && cpu_has_avx512_bf16()) {
     const at::Tensor xc = x.contiguous();
     avx512::linear(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M,
-                   reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), N, K, out.data_ptr<float>());
-    if (bias.has_value()) out.add_(bias->to(at::kFloat));
-    return out.to(x.scalar_type());
+                   reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), N, K, out);
+    return finish(sums, bias, x.scalar_type());
   }
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   if (weight.scalar_type() == at::kFloat && cpu_has_avx512()) {
-    avx512::linear(xf.data_ptr<float>(), M, w.data_ptr<float>(), N, K, out.data_ptr<float>());
+    avx512::linear(xf.data_ptr<float>(), M, w.data_ptr<float>(), N, K, out);
   } else if (weight.scalar_type() == at::kFloat) {
     const float* wp = w.data_ptr<float>();
-    if (M == 1) matvec(xf.data_ptr<float>(), wp, N, K, out.data_ptr<float>());
-    else matmul(xf.data_ptr<float>(), M, wp, N, K, out.data_ptr<float>());
+    if (M == 1) matvec(xf.data_ptr<float>(), wp, N, K, out);
+    else matmul(xf.data_ptr<float>(), M, wp, N, K, out);
   } else {
     const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-    if (M == 1) matvec(permute_for_bfloat16(xf).data_ptr<float>(), wp, N, K, out.data_ptr<float>());
-    else matmul(xf.data_ptr<float>(), M, wp, N, K, out.data_ptr<float>());
+    if (M == 1) matvec(permute_for_bfloat16(xf).data_ptr<float>(), wp, N, K, out);
+    else matmul(xf.data_ptr<float>(), M, wp, N, K, out);
   }
-  if (bias.has_value()) out.add_(bias->to(at::kFloat));
-  return out.to(x.scalar_type());
+  return finish(sums, bias, x.scalar_type());
 }
 
 // ---- RMSNorm in one call ------------------------------------------------------------
@@ -376,6 +402,28 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // buffer row of each packed token; visible [B] how many slots it sees (its own slot + 1:
 // committed tokens, then the new ones causally). Heads share KV heads in groups of H / Hkv.
 
+// exp of 8 floats <= 0 (scores minus their maximum), to about 2 ulp: Cody-Waite reduction
+// to r in [-ln2/2, ln2/2], Cephes' degree-6 polynomial for exp(r), times 2^n. Below -87 the
+// result is flushed to 0, where float32 exp would be denormal or 0 anyway.
+inline __m256 exp8(__m256 x) {
+  const __m256 floor_x = _mm256_set1_ps(-87.0f);
+  const __m256 underflow = _mm256_cmp_ps(x, floor_x, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, floor_x);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(scale)));
+}
+
 // The sums of 8 vectors, as one vector: lane i holds the sum of v[i]'s 8 lanes.
 inline __m256 horizontal_sums(const __m256* v) {
   const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));  // 0 1 2 3 | 0 1 2 3
@@ -406,8 +454,16 @@ void attend_one(const float* q, const T* keys, const T* values, int64_t visible,
     scores[j] = horizontal_sum(acc) * scaling;
   }
   for (j = 0; j < visible; ++j) top = std::max(top, scores[j]);
-  float total = 0.0f;
-  for (int64_t j = 0; j < visible; ++j) {
+  // exp over 8 scores at a time: scalar std::exp was most of a decode step's attention.
+  __m256 sums = _mm256_setzero_ps();
+  const __m256 shift = _mm256_set1_ps(top);
+  for (j = 0; j + 8 <= visible; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), shift));
+    _mm256_storeu_ps(scores + j, e);
+    sums = _mm256_add_ps(sums, e);
+  }
+  float total = horizontal_sum(sums);
+  for (; j < visible; ++j) {
     scores[j] = std::exp(scores[j] - top);
     total += scores[j];
   }
@@ -467,11 +523,80 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
   return out.to(query.scalar_type());
 }
 
+// ---- RoPE on q and k, and the KV write, in one call ---------------------------------------
+// After a layer's fused q/k/v projection, the eager path slices, rolls, multiplies and adds
+// per head and then scatters k and v into the KV buffers: a dozen ATen calls a layer. This
+// is the same arithmetic with the same roundings (each product and the sum rounded to the
+// model's dtype, as transformers' `x * cos + rotate_half(x) * sin` rounds; the file is built
+// with -ffp-contract=off so float32 is not fused either), reading qkv once.
+//
+// qkv [B, (H + 2 Hkv) hd]; cos, signed_sin [B, hd] (the sin's first half negated, see
+// packed.py); keys, values [R_cap, Hkv, S_cap, hd]; rows, slots [B]. Returns q [B, H, hd].
+
+template <typename T>
+inline void rotate_head(const T* x, const T* cos, const T* sin, int64_t hd, T* out) {
+  const int64_t half = hd / 2;
+  for (int64_t d = 0; d < hd; ++d) {
+    const T direct = static_cast<T>(static_cast<float>(x[d]) * static_cast<float>(cos[d]));
+    const T rolled = static_cast<T>(static_cast<float>(x[(d + half) % hd]) * static_cast<float>(sin[d]));
+    out[d] = static_cast<T>(static_cast<float>(direct) + static_cast<float>(rolled));
+  }
+}
+
+template <typename T>
+void rope_write_rows(const T* qkv, const T* cos, const T* sin, T* keys, T* values, const int64_t* rows,
+                     const int64_t* slots, int64_t B, int64_t H, int64_t Hkv, int64_t slots_cap, int64_t hd, T* q) {
+  const int64_t width = (H + 2 * Hkv) * hd;
+  for (int64_t b = 0; b < B; ++b) {
+    const T* x = qkv + b * width;
+    for (int64_t h = 0; h < H; ++h) rotate_head(x + h * hd, cos + b * hd, sin + b * hd, hd, q + (b * H + h) * hd);
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const int64_t at = ((rows[b] * Hkv + g) * slots_cap + slots[b]) * hd;
+      rotate_head(x + (H + g) * hd, cos + b * hd, sin + b * hd, hd, keys + at);
+      std::memcpy(values + at, x + (H + Hkv + g) * hd, hd * sizeof(T));
+    }
+  }
+}
+
+at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin, at::Tensor keys,
+                      at::Tensor values, const at::Tensor& rows, const at::Tensor& slots, int64_t heads) {
+  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.is_contiguous() && values.is_contiguous(),
+              "rope_write: contiguous KV buffers [R, Hkv, S, hd] expected, got ", keys.sizes());
+  const int64_t B = qkv.size(0), Hkv = keys.size(1), slots_cap = keys.size(2), hd = keys.size(3);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * Hkv) * hd && cos.sizes() == signed_sin.sizes() &&
+                  cos.size(0) == B && cos.size(1) == hd,
+              "rope_write: qkv [B, (H + 2 Hkv) hd] and cos/sin [B, hd] expected, got ", qkv.sizes(), " and ",
+              cos.sizes());
+  TORCH_CHECK(qkv.scalar_type() == keys.scalar_type() && cos.scalar_type() == keys.scalar_type(),
+              "rope_write: qkv, cos/sin and the KV buffers must share a dtype");
+  const at::Tensor x = qkv.contiguous(), c = cos.contiguous(), sn = signed_sin.contiguous();
+  const at::Tensor r = rows.to(at::kLong).contiguous(), sl = slots.to(at::kLong).contiguous();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(r.data_ptr<int64_t>()[b] >= 0 && r.data_ptr<int64_t>()[b] < keys.size(0) &&
+                    sl.data_ptr<int64_t>()[b] >= 0 && sl.data_ptr<int64_t>()[b] < slots_cap,
+                "rope_write: row or slot out of range for token ", b);
+  at::Tensor q = at::empty({B, heads, hd}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    rope_write_rows(x.data_ptr<float>(), c.data_ptr<float>(), sn.data_ptr<float>(), keys.data_ptr<float>(),
+                    values.data_ptr<float>(), r.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), B, heads, Hkv, slots_cap,
+                    hd, q.data_ptr<float>());
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rope_write: float32 or bfloat16, got ", x.scalar_type());
+    rope_write_rows(x.data_ptr<at::BFloat16>(), c.data_ptr<at::BFloat16>(), sn.data_ptr<at::BFloat16>(),
+                    keys.data_ptr<at::BFloat16>(), values.data_ptr<at::BFloat16>(), r.data_ptr<int64_t>(),
+                    sl.data_ptr<int64_t>(), B, heads, Hkv, slots_cap, hd, q.data_ptr<at::BFloat16>());
+  }
+  return q;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vlmspec, m) {
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "rope_write(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor(a!) keys, Tensor(b!) values, Tensor rows, "
+      "Tensor slots, int heads) -> Tensor");
   m.def("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor rows, Tensor visible, float scaling) -> Tensor");
 }
 
@@ -479,4 +604,5 @@ TORCH_LIBRARY_IMPL(vlmspec, CPU, m) {
   m.impl("skinny_linear", skinny_linear);
   m.impl("rms_norm", rms_norm);
   m.impl("decode_attention", decode_attention);
+  m.impl("rope_write", rope_write);
 }

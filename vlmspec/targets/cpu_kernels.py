@@ -60,6 +60,9 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # is the tool it was built for (large batches of requests, prefill).
 MAX_ROWS = 64
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+# No contraction of a * b + c into one FMA outside the explicit intrinsics: rms_norm and
+# rope_write must round as transformers' separate tensor ops do.
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off")
 
 
 def kernel_applies(weight: torch.Tensor) -> bool:
@@ -93,6 +96,20 @@ def decode_attention(
     Needs contiguous buffers and a head dim that is a multiple of 8 (see :func:`attention_applies`).
     """
     return torch.ops.vlmspec.decode_attention(query, keys, values, rows, visible, scaling)
+
+
+def rope_write(
+    qkv: torch.Tensor,  # [B, (H + 2 Hkv) * hd] one layer's fused q/k/v projections
+    cos: torch.Tensor,  # [B, hd] in qkv's dtype
+    signed_sin: torch.Tensor,  # [B, hd] the sin with its first half negated
+    keys: torch.Tensor,  # [R_cap, Hkv, S_cap, hd] written at [rows[b], :, slots[b]]
+    values: torch.Tensor,  # [R_cap, Hkv, S_cap, hd]
+    rows: torch.Tensor,  # [B] int64
+    slots: torch.Tensor,  # [B] int64
+    heads: int,
+) -> torch.Tensor:  # q [B, H, hd], rotated
+    """RoPE on q and k (transformers' roundings) and the K/V write into the buffers, in one call."""
+    return torch.ops.vlmspec.rope_write(qkv, cos, signed_sin, keys, values, rows, slots, heads)
 
 
 def attention_applies(keys: torch.Tensor, head_dim: int) -> bool:
@@ -141,7 +158,7 @@ def _build_and_load() -> None:
     load(
         name=name,
         sources=[str(SOURCE)],
-        extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+        extra_cflags=list(CFLAGS),
         build_directory=str(build_dir),
         is_python_module=False,
         verbose=False,
@@ -150,5 +167,5 @@ def _build_and_load() -> None:
 
 def _build_directory() -> Path:
     """One directory per source and torch version, so that an edit or an upgrade rebuilds."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
-    return default_cache_dir() / "kernels" / digest
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(CFLAGS).encode())
+    return default_cache_dir() / "kernels" / digest.hexdigest()[:16]

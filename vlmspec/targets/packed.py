@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlmspec.targets.cpu_kernels import MAX_ROWS, kernel_applies, rms_norm, skinny_linear
+from vlmspec.targets.cpu_kernels import MAX_ROWS, kernel_applies, rms_norm, rope_write, skinny_linear
 
 # oneDNN reorders a weight for an expected number of rows; 8 is the verify width of a
 # speculative round, and measured faster than 1 for 4-16 rows at a small cost for 1.
@@ -54,6 +55,21 @@ def can_pack(weight: torch.Tensor) -> bool:
     if weight.dtype == torch.float32:
         return True
     return weight.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class KVSlots(Protocol):
+    """Where a packed forward's new keys and values go: the runner's KV buffers and each token's slot."""
+
+    rows: torch.Tensor  # [B] int64 buffer row of each packed token
+    slots: torch.Tensor  # [B] int64 its slot in that row
+
+    def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's whole key and value buffers, [R_cap, Hkv, S_cap, hd] each."""
+        ...
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B, Hkv, hd] at (rows, slots); returns :meth:`buffers`."""
+        ...
 
 
 class PackedLinear:
@@ -158,6 +174,8 @@ class PackedDecoder:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scaling = self.head_dim**-0.5
+        # The one-call RoPE + KV write reproduces the eager roundings; it needs the kernel here.
+        self.fused_rope = kernel_applies(self.head.weight) and self.head.weight.dtype == self.embed.weight.dtype
 
     def matches(self) -> bool:
         """Whether the model's weights are still the ones packed (same storage, unmodified since).
@@ -181,11 +199,11 @@ class PackedDecoder:
         self,
         ids: torch.Tensor,  # [B] int64 packed input tokens
         positions: torch.Tensor,  # [B] int64 their (1-D = M-RoPE) positions
-        write_kv,  # (layer, k [B, Hkv, hd], v [B, Hkv, hd]) -> (key buffer, value buffer)
+        kv: KVSlots,  # the runner's KV buffers and each packed token's slot
         attend,  # (q [B, H, hd], key buffer, value buffer, scaling) -> [B, H, hd]
         feature_layers: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [B, V] float32, features [B, m * d] or None
-        """Logits (and hooked decoder-layer outputs) of the packed tokens; writes their K/V through ``write_kv``."""
+        """Logits (and hooked decoder-layer outputs) of the packed tokens; writes their K/V into ``kv``."""
         n = ids.shape[0]
         hidden = self.embed(ids)  # [B, d]
         cos, sin = self._rotary(positions, hidden.dtype)
@@ -193,17 +211,12 @@ class PackedDecoder:
         for index, layer in enumerate(self.layers):
             x = layer.input_norm(hidden)
             qkv = layer.qkv(x)
-            if layer.q_norm is None:  # q and k sit side by side in qkv: rotate them as one tensor
-                qk = _rotate(qkv[:, : layer.split[0] + layer.split[1]].view(n, -1, self.head_dim), cos, sin)
-                q, k = qk[:, : self.heads], qk[:, self.heads :]
-                v = qkv[:, layer.split[0] + layer.split[1] :]
+            if layer.q_norm is None and self.fused_rope:  # rotate q and k, write k and v: one kernel call
+                keys, values = kv.buffers(index)
+                q = rope_write(qkv, cos[:, 0], sin[:, 0], keys, values, kv.rows, kv.slots, self.heads)
+                attended = attend(q, keys, values, self.scaling)  # [B, H, hd]
             else:
-                q, k, v = qkv.split(layer.split, dim=-1)
-                q = layer.q_norm(q.view(n, self.heads, self.head_dim))
-                k = layer.k_norm(k.view(n, self.kv_heads, self.head_dim))
-                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            keys, values = write_kv(index, k, v.view(n, self.kv_heads, self.head_dim))
-            attended = attend(q, keys, values, self.scaling)  # [B, H, hd]
+                attended = self._attention_eager(index, layer, qkv, cos, sin, kv, attend)
             hidden = hidden + layer.out(attended.reshape(n, -1))
             gate, up = layer.gate_up(layer.post_norm(hidden)).chunk(2, dim=-1)
             hidden = hidden + layer.down(layer.act(gate) * up)
@@ -212,6 +225,21 @@ class PackedDecoder:
         logits = self.head(self.norm(hidden)).float()
         features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
         return logits, features
+
+    def _attention_eager(self, index: int, layer: _Layer, qkv, cos, sin, kv: KVSlots, attend) -> torch.Tensor:
+        """RoPE, the K/V write and attention as tensor ops (Qwen3-VL's q/k norms; CPUs without the kernel)."""
+        n = qkv.shape[0]
+        if layer.q_norm is None:  # q and k sit side by side in qkv: rotate them as one tensor
+            qk = _rotate(qkv[:, : layer.split[0] + layer.split[1]].view(n, -1, self.head_dim), cos, sin)
+            q, k = qk[:, : self.heads], qk[:, self.heads :]
+            v = qkv[:, layer.split[0] + layer.split[1] :]
+        else:
+            q, k, v = qkv.split(layer.split, dim=-1)
+            q = layer.q_norm(q.view(n, self.heads, self.head_dim))
+            k = layer.k_norm(k.view(n, self.kv_heads, self.head_dim))
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        keys, values = kv.write(index, k, v.view(n, self.kv_heads, self.head_dim))
+        return attend(q, keys, values, self.scaling)  # [B, H, hd]
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [B, 1, hd]: transformers' values (float32, then the model's dtype).

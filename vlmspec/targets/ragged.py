@@ -185,10 +185,6 @@ class RaggedBatch:
     def _fast_forward(self, ids: torch.Tensor, positions: torch.Tensor, layout: _Layout):
         """vlmspec's packed decoder (fused linears): logits [B, V] float32, features [B, m * d] or None."""
         cache = _RaggedCache(self._keys, self._values, layout)
-
-        def write_kv(layer: int, k: torch.Tensor, v: torch.Tensor):  # k, v: [B, Hkv, hd]
-            return cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], layer)
-
         decoder = self.target.packed_decoder()
         if layout.width == 1 and attention_applies(self._keys[0], decoder.head_dim):
             rows, visible = layout.rows.to(ids.device), (layout.slots + 1).to(ids.device)  # [B], [B]
@@ -200,7 +196,7 @@ class RaggedBatch:
             def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
                 return attend_rows(q, keys, values, layout, scaling)  # [B, H, hd]
 
-        return decoder(ids, positions, write_kv, attend, self.feature_layers)
+        return decoder(ids, positions, cache, attend, self.feature_layers)
 
     def _reference_forward(self, ids: torch.Tensor, positions: torch.Tensor, layout: _Layout):
         """transformers' own forward with the ragged attention: logits [B, V] float32, features [B, m * d] or None."""
@@ -292,7 +288,7 @@ class _RaggedCache:
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], layout: _Layout) -> None:
         self._keys, self._values, self._layout = keys, values, layout
         device = keys[0].device
-        self._rows, self._slots = layout.rows.to(device), layout.slots.to(device)
+        self.rows, self.slots = layout.rows.to(device), layout.slots.to(device)  # [B], [B]
         # One row's new tokens take consecutive slots: a slice copy, not a scatter.
         self._span = None
         if layout.num_rows == 1 and layout.slots.numel():
@@ -306,9 +302,17 @@ class _RaggedCache:
             keys[0, :, self._span] = key_states[0]
             values[0, :, self._span] = value_states[0]
             return keys, values
-        keys[self._rows, :, self._slots] = key_states[0].transpose(0, 1).to(keys.dtype)  # [B, Hkv, hd]
-        values[self._rows, :, self._slots] = value_states[0].transpose(0, 1).to(values.dtype)
+        keys[self.rows, :, self.slots] = key_states[0].transpose(0, 1).to(keys.dtype)  # [B, Hkv, hd]
+        values[self.rows, :, self.slots] = value_states[0].transpose(0, 1).to(values.dtype)
         return keys, values
+
+    def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:  # [R_cap, Hkv, S_cap, hd] each
+        """This layer's whole key and value buffers (the packed decoder's :class:`KVSlots`)."""
+        return self._keys[layer], self._values[layer]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B, Hkv, hd] of the packed tokens into their slots; returns :meth:`buffers`."""
+        return self.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], layer)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._layout.keys
