@@ -146,3 +146,37 @@ def test_rope_write_rounds_as_the_eager_rotation_and_writes_k_and_v_into_their_s
         assert torch.equal(keys[rows[b], :, slots[b]], qk[b, heads:])
         assert torch.equal(values[rows[b], :, slots[b]], v[b])
     assert int((keys != 0).any(dim=-1).sum()) == tokens * kv_heads  # nothing else written
+
+
+needs_packing = pytest.mark.skipif(
+    not cpu_kernels.kernel_available() or not cpu_kernels.kernel_isa().startswith("avx512"),
+    reason="the packed linears need AVX-512 (AVX512-BF16 for bfloat16); PackedLinear uses the AVX2 kernel here",
+)
+
+
+@needs_packing
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 17])
+def test_packed_linear_computes_x_times_w_transposed_plus_bias(dtype, rows):
+    if dtype == torch.bfloat16 and cpu_kernels.kernel_isa() != "avx512_bf16":
+        pytest.skip("bfloat16 packing needs AVX512-BF16")
+    generator = torch.Generator().manual_seed(rows)
+    # Partial blocks of 16 outputs, groups of 1-4 blocks, and an odd K (a padded bfloat16 pair).
+    for n, k, with_bias in ((37, 45, True), (64, 576, False), (1000, 96, True), (16, 7, False), (120, 33, True)):
+        weight = torch.randn(n, k, generator=generator).to(dtype)
+        x = torch.randn(rows, k, generator=generator).to(dtype)
+        bias = torch.randn(n, generator=generator).to(dtype) if with_bias else None
+        expected = x.double() @ weight.double().T + (bias.double() if with_bias else 0)
+        result = cpu_kernels.packed_linear(x, cpu_kernels.pack_weight(weight), n, bias)
+        assert result.dtype == dtype and result.shape == (rows, n)
+        tolerance = 1e-4 * k**0.5 if dtype == torch.float32 else 1e-2 * expected.abs().max().item()
+        torch.testing.assert_close(
+            result.double(), expected, atol=tolerance, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5
+        )
+
+
+@needs_packing
+def test_packed_linear_refuses_activations_of_another_dtype():
+    packed = cpu_kernels.pack_weight(torch.randn(16, 8))
+    with pytest.raises(RuntimeError, match="dtype"):
+        cpu_kernels.packed_linear(torch.randn(1, 8).to(torch.bfloat16), packed, 16)

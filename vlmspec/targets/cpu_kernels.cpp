@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace {
@@ -280,6 +281,105 @@ void linear(const T* x, int64_t M, const T* w, int64_t N, int64_t K, float* out)
   else matmul(x, M, w, N, K, out);
 }
 
+// ---- packed weights: 16 outputs per vector, no reductions ------------------------------
+// In the [N, K] layout each output is a dot product that ends in a horizontal sum, and the
+// 8-row tile above reads the big LM head at half the memory bandwidth. Packed, a block of 16
+// outputs stores its weights k-major: one 64-byte vector per k (float32) or per pair of k
+// (bfloat16, the pair vdpbf16ps multiplies), so a step loads one weight vector, broadcasts
+// one activation (pair) per row of x, and adds into 16 outputs at once.
+//   float32:  packed[b][k][i]         = W[16 b + i, k]            [N/16, K, 16]
+//   bfloat16: packed[b][k2][i][j]     = W[16 b + i, 2 k2 + j]     [N/16, K/2, 16, 2]
+// (N padded to 16 and K to 2 with zeros.)
+
+constexpr int64_t kBlock = 16;
+
+template <typename T>
+struct Packed;
+template <>
+struct Packed<float> {
+  static constexpr int64_t kPerStep = 1;  // k values a step consumes
+  static __m512 weights(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 activation(const float* x, int64_t step) { return _mm512_set1_ps(x[step]); }
+  static __m512 fma(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
+};
+template <>
+struct Packed<uint16_t> {
+  static constexpr int64_t kPerStep = 2;
+  static __m512 weights(const uint16_t* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
+  static __m512 activation(const uint16_t* x, int64_t step) {
+    int32_t pair;
+    std::memcpy(&pair, x + 2 * step, sizeof pair);
+    return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
+  }
+  static __m512 fma(__m512 acc, __m512 w, __m512 x) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(w), (__m512bh)_mm512_castps_si512(x));
+  }
+};
+
+// NB blocks of 16 outputs against MR rows of x (rows ldx apart); steps = K / kPerStep.
+template <int NB, int MR, typename T>
+inline void packed_tile(const T* x, int64_t ldx, const T* w, int64_t steps, float* out, int64_t ldo, int64_t left) {
+  using P = Packed<T>;
+  constexpr int64_t V = kBlock * P::kPerStep;  // elements of one weight vector
+  __m512 acc[NB][MR];
+  for (int b = 0; b < NB; ++b)
+    for (int m = 0; m < MR; ++m) acc[b][m] = _mm512_setzero_ps();
+  for (int64_t step = 0; step < steps; ++step) {
+    __m512 wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = P::weights(w + (b * steps + step) * V);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = P::activation(x + m * ldx, step);
+      for (int b = 0; b < NB; ++b) acc[b][m] = P::fma(acc[b][m], wv[b], xv);
+    }
+  }
+  for (int b = 0; b < NB; ++b) {  // left: outputs of these blocks that exist (the last block may be padding)
+    const int64_t valid = std::min<int64_t>(kBlock, left - b * kBlock);
+    if (valid <= 0) break;
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(out + m * ldo + b * kBlock, mask, acc[b][m]);
+  }
+}
+
+template <int NB, typename T>
+inline void packed_rows(const T* x, int64_t M, int64_t ldx, const T* w, int64_t steps, float* out, int64_t N,
+                        int64_t left) {
+  for (int64_t m = 0; m < M; m += 8) {
+    const T* xm = x + m * ldx;
+    float* om = out + m * N;
+    switch (std::min<int64_t>(8, M - m)) {
+      case 8: packed_tile<NB, 8>(xm, ldx, w, steps, om, N, left); break;
+      case 7: packed_tile<NB, 7>(xm, ldx, w, steps, om, N, left); break;
+      case 6: packed_tile<NB, 6>(xm, ldx, w, steps, om, N, left); break;
+      case 5: packed_tile<NB, 5>(xm, ldx, w, steps, om, N, left); break;
+      case 4: packed_tile<NB, 4>(xm, ldx, w, steps, om, N, left); break;
+      case 3: packed_tile<NB, 3>(xm, ldx, w, steps, om, N, left); break;
+      case 2: packed_tile<NB, 2>(xm, ldx, w, steps, om, N, left); break;
+      default: packed_tile<NB, 1>(xm, ldx, w, steps, om, N, left); break;
+    }
+  }
+}
+
+// x [M, K] (K padded to kPerStep) times packed weights of N outputs: out [M, N] float32.
+// Three blocks a task (24 accumulators for 8 rows; four blocks for one row, to hide the FMA latency).
+template <typename T>
+void packed_linear(const T* x, int64_t M, int64_t K, const T* w, int64_t N, float* out) {
+  const int64_t steps = K / Packed<T>::kPerStep, blocks = (N + kBlock - 1) / kBlock;
+  const int64_t block_elems = steps * kBlock * Packed<T>::kPerStep;
+  const int64_t group = M == 1 ? 4 : 3, groups = (blocks + group - 1) / group;
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t first = g * group, count = std::min(group, blocks - first);
+      for (int64_t done = 0; done < count;) {  // a full group, else the leftover blocks one by one
+        const int64_t n0 = (first + done) * kBlock;
+        const T* wg = w + (first + done) * block_elems;
+        if (count - done == 4) packed_rows<4>(x, M, K, wg, steps, out + n0, N, N - n0), done += 4;
+        else if (count - done == 3) packed_rows<3>(x, M, K, wg, steps, out + n0, N, N - n0), done += 3;
+        else packed_rows<1>(x, M, K, wg, steps, out + n0, N, N - n0), done += 1;
+      }
+    }
+  });
+}
+
 }  // namespace avx512
 
 #pragma GCC pop_options
@@ -351,6 +451,47 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const st
     const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
     if (M == 1) matvec(permute_for_bfloat16(xf).data_ptr<float>(), wp, N, K, out);
     else matmul(xf.data_ptr<float>(), M, wp, N, K, out);
+  }
+  return finish(sums, bias, x.scalar_type());
+}
+
+// The ISA the linears run on here: "avx512_bf16", "avx512" or "avx2" (VLMSPEC_CPU_ISA=avx2 included).
+std::string kernel_isa() { return cpu_has_avx512_bf16() ? "avx512_bf16" : cpu_has_avx512() ? "avx512" : "avx2"; }
+
+at::Tensor pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "pack_weight: weight [N, K] expected, got ", weight.sizes());
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || weight.scalar_type() == at::kFloat, "pack_weight: float32 or bfloat16, got ",
+              weight.scalar_type());
+  const int64_t N = weight.size(0), K = weight.size(1), per_step = bf16 ? 2 : 1;
+  const int64_t blocks = (N + avx512::kBlock - 1) / avx512::kBlock, steps = (K + per_step - 1) / per_step;
+  // [blocks, 16, steps, per_step] padded, then k-steps outermost within a block.
+  at::Tensor padded = at::zeros({blocks * avx512::kBlock, steps * per_step}, weight.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+  return padded.view({blocks, avx512::kBlock, steps, per_step}).permute({0, 2, 1, 3}).contiguous();
+}
+
+at::Tensor packed_linear_op(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                            const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == avx512::kBlock && x.dim() == 2,
+              "packed_linear: x [M, K] and a weight from pack_weight expected");
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "packed_linear: x must have the packed weight's dtype, got ",
+              x.scalar_type(), " and ", packed.scalar_type());
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 ? cpu_has_avx512_bf16() : cpu_has_avx512(), "packed_linear: needs ",
+              bf16 ? "AVX512-BF16" : "AVX-512", " (check kernel_isa() before packing)");
+  const int64_t M = x.size(0), per_step = packed.size(3), K = packed.size(1) * per_step;
+  TORCH_CHECK(x.size(1) <= K && x.size(1) > K - per_step && out_features <= packed.size(0) * avx512::kBlock,
+              "packed_linear: x has ", x.size(1), " inputs, the packed weight ", K);
+  at::Tensor xc = x.contiguous();
+  if (x.size(1) != K) xc = at::constant_pad_nd(xc, {0, K - x.size(1)});  // an odd K: pad the last pair
+  at::Tensor sums = at::empty({M, out_features}, x.options().dtype(at::kFloat));
+  if (bf16) {
+    avx512::packed_linear(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M, K,
+                          reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), out_features,
+                          sums.data_ptr<float>());
+  } else {
+    avx512::packed_linear(xc.data_ptr<float>(), M, K, packed.data_ptr<float>(), out_features, sums.data_ptr<float>());
   }
   return finish(sums, bias, x.scalar_type());
 }
@@ -594,6 +735,9 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
 TORCH_LIBRARY(vlmspec, m) {
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("kernel_isa() -> str", &kernel_isa);
+  m.def("pack_weight(Tensor weight) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def(
       "rope_write(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor(a!) keys, Tensor(b!) values, Tensor rows, "
       "Tensor slots, int heads) -> Tensor");
@@ -605,4 +749,6 @@ TORCH_LIBRARY_IMPL(vlmspec, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("decode_attention", decode_attention);
   m.impl("rope_write", rope_write);
+  m.impl("pack_weight", pack_weight);
+  m.impl("packed_linear", packed_linear_op);
 }

@@ -75,6 +75,34 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.vlmspec.skinny_linear(x, weight, bias)  # [M, N]
 
 
+def kernel_isa() -> str:
+    """The form the linears take here: ``"avx512_bf16"``, ``"avx512"`` or ``"avx2"`` (after ``VLMSPEC_CPU_ISA``)."""
+    return torch.ops.vlmspec.kernel_isa()
+
+
+def packing_applies(weight: torch.Tensor) -> bool:
+    """Whether :func:`pack_weight` and :func:`packed_linear` serve this weight here (AVX-512; AVX512-BF16 for bf16)."""
+    if not kernel_applies(weight):
+        return False
+    isa = kernel_isa()
+    return isa == "avx512_bf16" if weight.dtype == torch.bfloat16 else isa.startswith("avx512")
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [ceil(N / 16), ceil(K / p), 16, p]
+    """A copy of ``weight`` in the packed layout of :func:`packed_linear` (16 outputs per vector, k-major)."""
+    return torch.ops.vlmspec.pack_weight(weight.detach())
+
+
+def packed_linear(
+    x: torch.Tensor,  # [M, K] in the packed weight's dtype
+    packed: torch.Tensor,  # from pack_weight
+    out_features: int,  # N
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """``x @ W.T + bias`` over a packed ``W``: no horizontal sums, 8 rows of x per pass over the weights."""
+    return torch.ops.vlmspec.packed_linear(x, packed, out_features, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., d] -> [..., d]
     """Qwen-VL's RMSNorm in one call, with transformers' roundings: ``weight * (x * rsqrt(mean(x^2) + eps))``.
 

@@ -41,7 +41,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlmspec.targets.cpu_kernels import MAX_ROWS, kernel_applies, rms_norm, rope_write, skinny_linear
+from vlmspec.targets.cpu_kernels import (
+    MAX_ROWS,
+    kernel_applies,
+    pack_weight,
+    packed_linear,
+    packing_applies,
+    rms_norm,
+    rope_write,
+    skinny_linear,
+)
 
 # oneDNN reorders a weight for an expected number of rows; 8 is the verify width of a
 # speculative round, and measured faster than 1 for 4-16 rows at a small cost for 1.
@@ -77,24 +86,38 @@ class PackedLinear:
 
     ``backend`` is chosen once:
 
+    * ``"packed"``: vlmspec's AVX-512 kernel over a copy of ``W`` in its packed layout
+      (16 outputs per vector; bfloat16 through AVX512-BF16), for up to ``MAX_ROWS`` rows;
     * ``"kernel"``: vlmspec's AVX2 matrix-vector kernel (:mod:`vlmspec.targets.cpu_kernels`)
       over the fused weight as stored, float32 or bfloat16, for up to ``MAX_ROWS`` rows;
-      more rows go through ATen's GEMM, which is the better tool there;
     * ``"onednn"``: the weight reordered once for oneDNN (a CPU without the kernel);
     * ``"aten"``: plain ``F.linear`` (GPUs, bfloat16 on a CPU without native bfloat16).
+
+    More rows than ``MAX_ROWS`` (a wide batch) go through ATen's GEMM, which is the better
+    tool there, over the model's own weights.
     """
 
     def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> None:
-        weight = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()  # [N, K]
+        self._parts = [(w.detach(), None if b is None else b.detach()) for w, b in zip(weights, biases)]
+        weight = torch.cat([w for w, _ in self._parts]) if len(weights) > 1 else self._parts[0][0]  # [N, K]
         self.bias = None
         if any(b is not None for b in biases):
-            parts = [b.detach() if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)]
-            self.bias = torch.cat(parts)  # [N]
-        self.backend = "kernel" if kernel_applies(weight) else "onednn" if can_pack(weight) else "aten"
-        self.weight = _reorder(weight) if self.backend == "onednn" else weight
+            self.bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in self._parts])  # [N]
         self.out_features, self.in_features = weight.shape
+        if packing_applies(weight):
+            self.backend, self.weight = "packed", pack_weight(weight)
+        elif kernel_applies(weight):
+            self.backend, self.weight = "kernel", weight
+        elif can_pack(weight):
+            self.backend, self.weight = "onednn", _reorder(weight)
+        else:
+            self.backend, self.weight = "aten", weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [B, K] -> [B, N]
+        if self.backend == "packed":
+            if x.shape[0] <= MAX_ROWS:
+                return packed_linear(x, self.weight, self.out_features, self.bias)
+            return torch.cat([F.linear(x, w, b) for w, b in self._parts], dim=-1)
         if self.backend == "kernel" and x.shape[0] <= MAX_ROWS:
             return skinny_linear(x, self.weight, self.bias)
         if self.backend == "onednn":
@@ -175,7 +198,7 @@ class PackedDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scaling = self.head_dim**-0.5
         # The one-call RoPE + KV write reproduces the eager roundings; it needs the kernel here.
-        self.fused_rope = kernel_applies(self.head.weight) and self.head.weight.dtype == self.embed.weight.dtype
+        self.fused_rope = kernel_applies(self.embed.weight)
 
     def matches(self) -> bool:
         """Whether the model's weights are still the ones packed (same storage, unmodified since).
@@ -191,7 +214,7 @@ class PackedDecoder:
 
     @property
     def backend(self) -> str:
-        """How the linears run: ``"kernel"``, ``"onednn"`` or ``"aten"`` (see :class:`PackedLinear`)."""
+        """How the linears run: ``"packed"``, ``"kernel"``, ``"onednn"`` or ``"aten"`` (see :class:`PackedLinear`)."""
         return self.head.backend
 
     @torch.no_grad()
