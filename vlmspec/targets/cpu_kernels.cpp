@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -608,26 +609,57 @@ void attend_one(const float* q, const T* keys, const T* values, int64_t visible,
     scores[j] = std::exp(scores[j] - top);
     total += scores[j];
   }
+  // Weighted sum of values: 4 independent sums per 8 lanes, so the FMA latency is hidden.
   for (int64_t d = 0; d < hd; d += 8) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t j = 0; j < visible; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), load8(values + j * hd + d), acc);
-    _mm256_storeu_ps(out + d, _mm256_mul_ps(acc, _mm256_set1_ps(1.0f / total)));
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (j = 0; j + 4 <= visible; j += 4)
+      for (int u = 0; u < 4; ++u)
+        acc[u] = _mm256_fmadd_ps(_mm256_set1_ps(scores[j + u]), load8(values + (j + u) * hd + d), acc[u]);
+    for (; j < visible; ++j) acc[0] = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), load8(values + j * hd + d), acc[0]);
+    const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    _mm256_storeu_ps(out + d, _mm256_mul_ps(sum, _mm256_set1_ps(1.0f / total)));
   }
+}
+
+// A task is (a run of up to 4 consecutive tokens of one row, one KV head): the 4 x H / Hkv
+// queries it serves read that KV head's keys and values, which a bfloat16 buffer has widened
+// to float32 once per task rather than once per query.
+constexpr int64_t kTokensPerTask = 4;
+
+inline void widen(const float* src, int64_t n, std::vector<float>& scratch, const float*& out) { out = src; }
+inline void widen(const uint16_t* src, int64_t n, std::vector<float>& scratch, const float*& out) {
+  if (static_cast<int64_t>(scratch.size()) < n) scratch.resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(scratch.data() + i, load8(src + i));
+  out = scratch.data();
 }
 
 template <typename T>
 void attend_all(const float* query, const T* keys, const T* values, const int64_t* rows, const int64_t* visible,
                 int64_t B, int64_t H, int64_t Hkv, int64_t slots, int64_t hd, float scaling, float* out) {
   const int64_t group = H / Hkv, row_stride = Hkv * slots * hd;
+  std::vector<std::pair<int64_t, int64_t>> runs;  // [first token, end token) of each run
+  for (int64_t b = 0; b < B;) {
+    int64_t end = b + 1;
+    while (end < B && end - b < kTokensPerTask && rows[end] == rows[b]) ++end;
+    runs.emplace_back(b, end);
+    b = end;
+  }
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, visible[b]);
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(static_cast<size_t>(longest));
+  const int64_t tasks = static_cast<int64_t>(runs.size()) * Hkv;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(static_cast<size_t>(longest)), key_scratch, value_scratch;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / H, h = task % H;
-      const int64_t offset = rows[b] * row_stride + (h / group) * slots * hd;
-      attend_one(query + task * hd, keys + offset, values + offset, visible[b], hd, scaling, scores.data(),
-                 out + task * hd);
+      const auto [first, last] = runs[task / Hkv];
+      const int64_t g = task % Hkv, offset = rows[first] * row_stride + g * slots * hd;
+      int64_t reach = 0;
+      for (int64_t b = first; b < last; ++b) reach = std::max(reach, visible[b]);
+      const float *k, *v;
+      widen(keys + offset, reach * hd, key_scratch, k);
+      widen(values + offset, reach * hd, value_scratch, v);
+      for (int64_t b = first; b < last; ++b)
+        for (int64_t h = g * group; h < (g + 1) * group; ++h)
+          attend_one(query + (b * H + h) * hd, k, v, visible[b], hd, scaling, scores.data(), out + (b * H + h) * hd);
     }
   });
 }

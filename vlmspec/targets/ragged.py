@@ -186,7 +186,7 @@ class RaggedBatch:
         """vlmspec's packed decoder (fused linears): logits [B, V] float32, features [B, m * d] or None."""
         cache = _RaggedCache(self._keys, self._values, layout)
         decoder = self.target.packed_decoder()
-        if layout.width == 1 and attention_applies(self._keys[0], decoder.head_dim):
+        if attention_applies(self._keys[0], decoder.head_dim):
             rows, visible = layout.rows.to(ids.device), (layout.slots + 1).to(ids.device)  # [B], [B]
 
             def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
