@@ -111,8 +111,7 @@ def _int_list(text: str, flag: str) -> list[int]:
 # ------------------------------------------------------------------------------------ setup
 def load_pair(args: argparse.Namespace):
     """The target and the drafter's proposer."""
-    from vlmspec.engine import load_proposer
-    from vlmspec.targets import load_target
+    from vlmspec.loading import load_proposer, load_target
 
     target = load_target(args.target, dtype=args.dtype)
     if args.drafter == "untrained":

@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_target(args: argparse.Namespace):
-    from vlmspec.targets import QwenVLTarget, load_target
+    from vlmspec.loading import load_target
+    from vlmspec.targets import QwenVLTarget
 
     if args.target:
         return load_target(args.target)

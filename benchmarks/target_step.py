@@ -121,7 +121,7 @@ def _timed(fn: Callable[[], None]) -> float:
 def main(argv: Sequence[str] | None = None) -> Path:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from vlmspec.targets.adapter import load_target
+    from vlmspec.loading import load_target
 
     out = prepare_out_dir(args.out)
     from vlmspec.targets.cpu_kernels import cpu_has_avx512

@@ -57,10 +57,9 @@ def main(argv: Sequence[str] | None = None) -> Path:
         args.tie_margin = 1e-3 if args.dtype == "float32" else 1.0
     torch.set_num_threads(args.threads)
     from vlmspec import SpecEngine
-    from vlmspec.engine import load_proposer
+    from vlmspec.loading import load_proposer, load_target
     from vlmspec.reference import reference_drafter_dir, reference_sps_table, reference_target_dir
     from vlmspec.scheduling.factory import build_scheduler
-    from vlmspec.targets.adapter import load_target
 
     out = prepare_out_dir(args.out)
     tasks = [t for path in args.prompt_set or PROMPT_SETS for t in prompt_set_tasks(path, args.num_questions)]

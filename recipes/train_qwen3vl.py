@@ -33,7 +33,8 @@ import torch
 
 from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter
 from vlmspec.engine import SpecEngine
-from vlmspec.targets.adapter import load_target, resolve_dtype
+from vlmspec.loading import load_target
+from vlmspec.targets.adapter import resolve_dtype
 from vlmspec.training import (
     CacheSpec,
     GenerationConfig,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlmspec import reference
+from vlmspec import reference, reference_weights
 from vlmspec.drafters.prompt_lookup import PromptLookup
 from vlmspec.engine import SpecEngine
 from vlmspec.targets import QwenVLTarget
@@ -198,7 +198,7 @@ def test_unpermute_rotary_rows_restores_split_halves():
     hf_rows = torch.arange(heads * head_dim, dtype=torch.float32).view(-1, 1)  # [24, 1]: row r holds r
     half = head_dim // 2
     gguf_order = [h * head_dim + i + j * half for h in range(heads) for i in range(half) for j in range(2)]
-    assert torch.equal(reference.unpermute_rotary_rows(hf_rows[gguf_order], heads), hf_rows)
+    assert torch.equal(reference_weights.unpermute_rotary_rows(hf_rows[gguf_order], heads), hf_rows)
 
 
 # ------------------------------------------------------------- the committed drafters
@@ -224,7 +224,7 @@ DRAFTER_TAU_FLOOR = {"reference": 1.13, "reference-dflash": 1.10}
 @needs_smollm2
 @pytest.mark.parametrize("name", sorted(DRAFTER_TAU_FLOOR))
 def test_committed_drafter_is_lossless_and_accepts(target, name):
-    from vlmspec.engine import load_proposer
+    from vlmspec.loading import load_proposer
 
     engine = SpecEngine(target, load_proposer(name, target))
     stats = []

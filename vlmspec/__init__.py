@@ -6,6 +6,7 @@ engines embed, the target adapter, the protocols and the schedulers.
 
 from vlmspec.drafters import DSparkConfig, DSparkDrafter, NoDraft, PerRequestProposer, PromptLookup, Proposer
 from vlmspec.engine import SpecEngine
+from vlmspec.loading import load_proposer, load_target
 from vlmspec.scheduling import (
     LaggedTopKScheduler,
     PrefixScheduler,
@@ -18,7 +19,7 @@ from vlmspec.scheduling import (
 )
 from vlmspec.serving.engine import BatchEngine, StepOutput
 from vlmspec.serving.steps import SpecDecoder, SpecRequest
-from vlmspec.targets import QwenVLTarget, load_target
+from vlmspec.targets import QwenVLTarget
 from vlmspec.types import DraftBlock, GenerationResult, SamplingParams, SpecStats, VerifyResult
 
 __version__ = "0.1.0"
@@ -31,6 +32,7 @@ __all__ = [
     "SpecRequest",
     "QwenVLTarget",
     "load_target",
+    "load_proposer",
     "Proposer",
     "NoDraft",
     "PerRequestProposer",

@@ -35,8 +35,8 @@ def make_scheduler(name: str, options: Mapping[str, Any]) -> Scheduler | None:
 def load_engine(args: argparse.Namespace):
     """A SpecEngine for ``--target`` (a directory, ``tiny:FAMILY`` or ``small:FAMILY``) with ``--drafter`` and ``--scheduler``."""
     from vlmspec.drafters.prompt_lookup import PromptLookup
-    from vlmspec.engine import SpecEngine, load_proposer
-    from vlmspec.targets import load_target
+    from vlmspec.engine import SpecEngine
+    from vlmspec.loading import load_proposer, load_target
 
     scheduler = make_scheduler(args.scheduler, parse_key_values(args.scheduler_arg))
     target = load_target(

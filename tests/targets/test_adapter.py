@@ -107,7 +107,7 @@ def test_bfloat16_target_runs(make_target):
     ],
 )
 def test_a_target_that_is_not_there_gets_the_closest_name_and_every_choice(spec, fix):
-    from vlmspec.targets.adapter import load_target
+    from vlmspec.loading import load_target
 
     with pytest.raises(FileNotFoundError, match="no model directory") as error:
         load_target(spec)

@@ -7,7 +7,7 @@ Each :meth:`BatchEngine.step`:
 
 1. admits waiting requests while fewer than ``max_batch_size`` run: each one's prompt
    (with its images) is prefilled on its own and its first token drawn
-   (:func:`vlmspec.engine.prefill_request`), then its KV joins the ragged batch;
+   (:func:`vlmspec.serving.requests.prefill_request`), then its KV joins the ragged batch;
 2. runs one step of the step API for all running requests: one drafter call
    (``decoder.propose``), one scheduler call on the [R, gamma] confidences
    (``decoder.plan``), one target forward (``RaggedBatch.verify``), then
@@ -46,10 +46,11 @@ from typing import Any
 import torch
 
 from vlmspec.drafters.base import Proposer
-from vlmspec.engine import context_room, end_at_context, load_proposer, new_request, prefill_request
+from vlmspec.loading import load_proposer, load_target
 from vlmspec.scheduling.base import Scheduler
+from vlmspec.serving.requests import context_room, end_at_context, new_request, prefill_request
 from vlmspec.serving.steps import SpecDecoder, SpecRequest
-from vlmspec.targets.adapter import QwenVLTarget, load_target
+from vlmspec.targets.adapter import QwenVLTarget
 from vlmspec.targets.inputs import ImageLike, TargetInputs
 from vlmspec.targets.ragged import RaggedBatch
 from vlmspec.types import DraftBlock, GenerationResult, RoundRecord
@@ -240,6 +241,10 @@ class BatchEngine:
             state = "still unfinished" if self._known(request_id) else "unknown"
             raise KeyError(f"request {request_id!r} is {state}; results exist once a request has finished")
         return self._results.pop(request_id) if pop else self._results[request_id]
+
+    def pop_result(self, request_id: str) -> GenerationResult | None:
+        """The result of a finished request, forgotten here; None if there is none (unknown or unfinished)."""
+        return self._results.pop(request_id, None)
 
     def generate_many(self, requests: Iterable[Mapping[str, Any]]) -> list[GenerationResult]:
         """Run every request (each a dict of :meth:`add_request` arguments) to the end; results in order.

@@ -11,7 +11,6 @@ What it does not know: drafting, verification rules, scheduling.
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import os
 from collections.abc import Sequence
@@ -350,6 +349,27 @@ class QwenVLTarget:
         return features, captured["norm"][0], positions_1d
 
     # ---------------------------------------------------------------- internals
+    @torch.inference_mode()
+    def generate_greedy(self, inputs: TargetInputs, max_new_tokens: int) -> list[int]:  # -> new token ids
+        """transformers' own ``generate()``, greedy, stopping on this target's EOS ids: the baseline users know.
+
+        Any sampling settings in the checkpoint's generation config are overridden.
+        """
+        eos = list(self.eos_token_ids)
+        output = self.model.generate(
+            **inputs.model_kwargs,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            num_beams=1,
+            temperature=None,
+            top_k=None,
+            top_p=None,
+            repetition_penalty=1.0,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+        )
+        return output[0, inputs.length :].tolist()
+
     def _prompt_positions(self, inputs: TargetInputs) -> tuple[torch.Tensor, int]:
         """M-RoPE ids [3, 1, L] of the prompt and its rope_delta, computed for this request only."""
         ids = inputs.input_ids
@@ -425,57 +445,6 @@ def prefill_output(inputs: TargetInputs, state: RequestState, step: TargetStep) 
         logits=step.logits[-1],
         next_position=inputs.length + state.rope_delta,  # decoding continues at cache index + rope_delta
     )
-
-
-def load_target(
-    spec: str | os.PathLike,
-    *,
-    dtype: str | torch.dtype = "float32",
-    attn_implementation: str = "sdpa",
-    device: str | torch.device = "cpu",
-    decode: str = "fast",
-) -> QwenVLTarget:
-    """A target from a local model directory, the reference model, or a random-init Qwen-VL.
-
-    ``reference`` is SmolLM2-135M-Instruct's real weights in a Qwen2-VL with a small
-    trained vision tower (:mod:`vlmspec.reference`; assembled on first use). ``tiny:FAMILY``
-    is hidden 64 / 4 layers (tests); ``small:FAMILY`` is hidden 512 / 8 layers (benchmarks
-    of the mechanics). Both use the real Qwen tokenizer and full vocabulary; random weights
-    say nothing about acceptance.
-    """
-    if str(spec) == REFERENCE_SPEC:
-        from vlmspec.reference import reference_target_dir
-
-        spec = reference_target_dir()
-    kind, _, family = str(spec).partition(":")
-    if kind in RANDOM_TARGET_SIZES and family:
-        from vlmspec.targets.tiny import tiny_target
-
-        target = tiny_target(family, dtype=resolve_dtype(dtype), **RANDOM_TARGET_SIZES[kind])
-        target.decode = check_decode_mode(decode)
-        return target.to_device(device)
-    if not Path(spec).exists():
-        raise FileNotFoundError(_unknown_target_message(str(spec)))
-    return QwenVLTarget.from_pretrained(
-        spec, dtype=dtype, attn_implementation=attn_implementation, device=device, decode=decode
-    )
-
-
-def _unknown_target_message(spec: str) -> str:
-    """What to pass instead of a target that is neither a directory nor a built-in name (closest name first)."""
-    from vlmspec.targets.tiny import FAMILIES
-
-    names = [REFERENCE_SPEC, *(f"{kind}:{family}" for kind in RANDOM_TARGET_SIZES for family in FAMILIES)]
-    close = difflib.get_close_matches(spec, names, n=1, cutoff=0.6)
-    guess = f"did you mean {close[0]!r}? " if close else ""
-    return (
-        f"no model directory {spec!r}; {guess}pass the directory of a saved Qwen-VL model, {REFERENCE_SPEC!r} "
-        f"(the bundled reference target) or tiny:FAMILY for a random test model ({', '.join(FAMILIES)})"
-    )
-
-
-RANDOM_TARGET_SIZES = {"tiny": {}, "small": {"hidden_size": 512, "num_layers": 8}}
-REFERENCE_SPEC = "reference"
 
 
 def check_decode_mode(decode: str) -> str:

@@ -1,0 +1,70 @@
+"""A request's life around the round, shared by every host: validated creation, prefill, the context's end."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from vlmspec.serving.steps import SpecDecoder, SpecRequest
+from vlmspec.targets.adapter import QwenVLTarget, RequestState, prefill_output
+from vlmspec.targets.inputs import ImageLike, TargetInputs
+
+
+def new_request(
+    target: QwenVLTarget,
+    decoder: SpecDecoder,
+    images: ImageLike | Sequence[ImageLike] | None,
+    prompt: str | None,
+    *,
+    messages: list[dict] | None,
+    **sampling: Any,
+) -> tuple[SpecRequest, TargetInputs]:
+    """A step-API request that stops as ``target`` does (its EOS ids, tokenizer, device), and its processed inputs.
+
+    ``sampling``: max_new_tokens, temperature, top_k, top_p, seed, stop. Both are validated
+    here, so bad input raises before anything runs.
+    """
+    request = decoder.new_request(
+        eos_token_ids=target.eos_token_ids, tokenizer=target.tokenizer, device=target.device, **sampling
+    )
+    return request, target.build_inputs(images, prompt, messages=messages)
+
+
+def prefill_request(
+    target: QwenVLTarget, decoder: SpecDecoder, request: SpecRequest, inputs: TargetInputs
+) -> RequestState:
+    """Run one request's prompt (with its images) through the target and start it: the first token is committed."""
+    warn_if_context_cuts(target, request, inputs.length)
+    proposer = decoder.proposer
+    tick = time.perf_counter()
+    state, step = target.prefill(inputs, feature_layers=proposer.feature_layers, position_rule=proposer.position_rule)
+    request.stats.prefill_s = time.perf_counter() - tick
+    decoder.start(request, prefill_output(inputs, state, step))
+    end_at_context(target, request, state.length)
+    return state
+
+
+def warn_if_context_cuts(target: QwenVLTarget, request: SpecRequest, prompt_length: int) -> None:
+    """Say so when the context, not ``max_new_tokens``, will end the answer (both end it with "length")."""
+    room = target.max_context - prompt_length + 1  # the last token needs no cache slot
+    if room < request.max_new_tokens:
+        warnings.warn(
+            f"the prompt's {prompt_length} tokens leave room for only {room} of max_new_tokens="
+            f"{request.max_new_tokens} in this model's {target.max_context}-token context: the answer will stop "
+            "there with finish_reason 'length'. Shorten the prompt, use smaller images or lower max_new_tokens.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def context_room(target: QwenVLTarget, length: int) -> int:
+    """Most drafts a request holding ``length`` tokens may verify: the anchor and the drafts must fit the context."""
+    return max(target.max_context - length - 1, 0)
+
+
+def end_at_context(target: QwenVLTarget, request: SpecRequest, length: int) -> None:
+    """Finish ``request`` ("length") when its next anchor, at cache index ``length``, would not fit the context."""
+    if not request.finished and length + 1 > target.max_context:
+        request.finish("length")
