@@ -29,17 +29,9 @@ from vlmspec.scheduling.factory import (
     resolve_sps_table,
 )
 from vlmspec.scheduling.prefix import LaggedTopKScheduler, PrefixScheduler, rank_candidates
-from vlmspec.scheduling.profiling import (
-    BatchSPSTable,
-    SPSMeta,
-    SPSTable,
-    load_sps_table,
-    measure_sps,
-    plot_sps,
-    profile_forward,
-    sps_preset,
-)
+from vlmspec.scheduling.profiling import measure_sps, plot_sps, profile_forward, sps_preset
 from vlmspec.scheduling.sps import SPSArgmaxScheduler
+from vlmspec.scheduling.tables import BatchSPSTable, SPSMeta, SPSTable, load_sps_table
 from vlmspec.scheduling.threshold import ThresholdScheduler
 
 __all__ = [

@@ -13,8 +13,9 @@ from pathlib import Path
 from vlmspec.scheduling.base import Scheduler, VerifyAll
 from vlmspec.scheduling.calibration import CalibratedScheduler, Calibration
 from vlmspec.scheduling.prefix import LaggedTopKScheduler, PrefixScheduler
-from vlmspec.scheduling.profiling import PRESETS, BatchSPSTable, SPSTable, load_sps_table, sps_preset
+from vlmspec.scheduling.profiling import PRESETS, sps_preset
 from vlmspec.scheduling.sps import SPSArgmaxScheduler
+from vlmspec.scheduling.tables import BatchSPSTable, SPSTable, load_sps_table
 from vlmspec.scheduling.threshold import ThresholdScheduler
 
 # name -> the class it builds

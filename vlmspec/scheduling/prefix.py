@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from vlmspec.scheduling.base import as_lengths, check_confidences, positions_mask, prefix_survival
-from vlmspec.scheduling.profiling import BatchSPSTable, SPSTable
+from vlmspec.scheduling.tables import BatchSPSTable, SPSTable
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def check_sps_table(table: SPSTable | BatchSPSTable) -> SPSTable | BatchSPSTable
     """Refuse anything but an SPS table (one curve, or one per measured number of requests)."""
     if not isinstance(table, (SPSTable, BatchSPSTable)):
         raise ValueError(
-            f"sps_table must be an SPSTable or a BatchSPSTable (see vlmspec.scheduling.profiling), "
+            f"sps_table must be an SPSTable or a BatchSPSTable (see vlmspec.scheduling.tables), "
             f"got {type(table).__name__}"
         )
     return table
@@ -111,7 +111,7 @@ class PrefixScheduler:
     ``Theta = tau * SPS(B)``; the first admission that does not is undone and the walk
     stops. ``sps_table`` is indexed by the total tokens in the verification batch,
     ``B = sum_r (1 + l_r)``; batches beyond the table count as a drop. With a
-    :class:`~vlmspec.scheduling.profiling.BatchSPSTable` the curve is the one measured for
+    :class:`~vlmspec.scheduling.tables.BatchSPSTable` the curve is the one measured for
     the R requests of the call (``for_requests(R)``).
 
     Lossless because it is non-anticipating: the decision on candidate ``(r, j)`` is made

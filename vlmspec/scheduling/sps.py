@@ -7,7 +7,7 @@ import torch
 
 from vlmspec.scheduling.base import as_lengths, check_confidences, prefix_survival
 from vlmspec.scheduling.prefix import check_sps_table, require_anchors_fit
-from vlmspec.scheduling.profiling import BatchSPSTable, SPSTable
+from vlmspec.scheduling.tables import BatchSPSTable, SPSTable
 
 
 class SPSArgmaxScheduler:
@@ -20,7 +20,7 @@ class SPSArgmaxScheduler:
     ``x_{l+1}`` is looked at.
 
     With several rows, each row is scheduled *as if it were alone* (``B = 1 + l``, on the
-    one-request curve of a :class:`~vlmspec.scheduling.profiling.BatchSPSTable`); for a
+    one-request curve of a :class:`~vlmspec.scheduling.tables.BatchSPSTable`); for a
     batch that shares one forward, use :class:`~vlmspec.scheduling.prefix.PrefixScheduler`.
     """
 
