@@ -10,7 +10,7 @@ from training_helpers import tiny_drafter
 
 from vlmspec.drafters.dspark import DSparkDrafter
 from vlmspec.training import TrainConfig, Trainer, latest_checkpoint
-from vlmspec.training.trainer import warmup_cosine
+from vlmspec.training.schedule import warmup_cosine
 
 
 def config(**overrides) -> TrainConfig:

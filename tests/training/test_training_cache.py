@@ -25,7 +25,8 @@ from vlmspec.training import (
     regenerate_item,
     target_fingerprint,
 )
-from vlmspec.training.cache import format_size, select_rows
+from vlmspec.training.cache import select_rows
+from vlmspec.training.cache_build import format_size
 from vlmspec.training.packing import collate
 
 

@@ -14,17 +14,8 @@ The pipeline (``recipes/train_qwen3vl.py`` runs it in one command):
 
 from vlmspec.training.anchors import block_targets, sample_anchors, valid_anchor_mask, valid_prefix
 from vlmspec.training.attention import checked_flex, flex_block_mask, packed_hidden, packed_mask, resolve_attention
-from vlmspec.training.cache import (
-    CachedSequence,
-    CacheEstimate,
-    CacheSpec,
-    TargetCache,
-    build_cache,
-    estimate_cache_size,
-    finalize_cache,
-    open_cache_dir,
-    target_fingerprint,
-)
+from vlmspec.training.cache import CachedSequence, CacheSpec, TargetCache, open_cache_dir, target_fingerprint
+from vlmspec.training.cache_build import CacheEstimate, build_cache, estimate_cache_size, finalize_cache
 from vlmspec.training.calibrate import HeldoutRun, calibrate, run_heldout
 from vlmspec.training.losses import (
     LossWeights,
