@@ -9,7 +9,8 @@ def test_demo_runs_the_reference_pair_and_reports_identical_output(capsys):
     out = capsys.readouterr().out
     assert "target: reference   drafter: reference" in out
     assert "Q: [image] Describe the image.\nA: A red circle." in out  # the held-out image, answered right
-    assert out.count("output: identical") == 2 and "overall:" in out and "speedup:" in out
+    assert out.count("target alone:") == 2 and out.count("output: identical") == 4  # vs target alone and generate()
+    assert out.count("transformers generate():") == 2 and "overall:" in out and "speedup:" in out
 
 
 def test_demo_runs_a_random_tiny_target_with_prompt_lookup(capsys):
@@ -28,7 +29,8 @@ def test_demo_runs_a_random_tiny_target_with_prompt_lookup(capsys):
     ]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert out.count("output: identical") == 1 and "overall:" not in out
+    assert "output: identical" in out.split("transformers generate():")[0]  # against the target alone
+    assert out.count("transformers generate():") == 1 and "overall:" not in out
 
 
 def test_generate_prints_the_answer_and_stats(capsys):

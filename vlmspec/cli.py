@@ -9,16 +9,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from vlmspec.demo import DEMO_PROMPT, DEMO_TEXT_PROMPT, format_stats, open_image
 from vlmspec.scheduling.factory import SCHEDULERS, describe_schedulers
 from vlmspec.targets.adapter import DECODE_MODES
-
-DEMO_PROMPT = "Describe the image."
-# A GSM8K-style question outside the prompts the reference drafter trained on.
-DEMO_TEXT_PROMPT = (
-    "A baker makes 24 muffins in the morning and 18 in the afternoon. She sells 30 of them and "
-    "gives 5 to her neighbours. How many muffins are left? Explain step by step."
-)
-DEMO_IMAGE_ID = 4  # easy-vqa test image: a red circle
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -130,28 +123,18 @@ def _add_demo(commands) -> None:
 
 
 def _run_demo(args) -> int:
+    from vlmspec.demo import demo_image, run_demo
     from vlmspec.engine import SpecEngine
     from vlmspec.scheduling.factory import build_scheduler
 
-    image = _open_image(args.image) if args.image else demo_image()
+    image = open_image(args.image) if args.image else demo_image()
     if args.scheduler is None:  # the shipped SPS curves are the reference target's; another target verifies all
         args.scheduler = "sps" if args.target == "reference" or args.sps is not None else "none"
     scheduler = build_scheduler(args.scheduler, threshold=args.threshold, **_reference_defaults(args))
     engine = SpecEngine.from_pretrained(args.target, drafter=args.drafter, scheduler=scheduler, dtype=args.dtype)
     print(f"target: {args.target}   drafter: {args.drafter}   scheduler: {args.scheduler}   dtype: {args.dtype}\n")
     requests = [(image, args.prompt)] + ([(None, args.text_prompt)] if args.text_prompt else [])
-    pairs = []
-    for request_image, prompt in requests:
-        alone, spec = _timed_pair(engine, request_image, prompt, args.max_new_tokens, args.repeats)
-        shown = "[image] " if request_image is not None else ""
-        print(f"Q: {shown}{prompt}\nA: {spec.text}\n{format_stats(spec, alone)}\n")
-        pairs.append((alone, spec))
-    if len(pairs) > 1:
-        print(_overall(pairs))
-    if any(spec.token_ids != alone.token_ids for alone, spec in pairs):
-        print("ERROR: the speculative output differs from the target alone", file=sys.stderr)
-        return 1
-    return 0
+    return run_demo(engine, requests, max_new_tokens=args.max_new_tokens, repeats=args.repeats)
 
 
 def _reference_defaults(args) -> dict:
@@ -174,49 +157,6 @@ def _reference_defaults(args) -> dict:
     elif args.scheduler != "none" and args.drafter in REFERENCE_DRAFTERS:
         options["calibration"] = reference_drafter_dir(args.drafter)
     return options
-
-
-def _overall(pairs) -> str:
-    """Both requests together: tokens per second of each way, and tau over every round."""
-    from vlmspec.types import SpecStats
-
-    tokens = sum(spec.stats.new_tokens for _, spec in pairs)
-    spec_s = sum(spec.stats.total_s for _, spec in pairs)
-    alone_s = sum(alone.stats.total_s for alone, _ in pairs)
-    tau = SpecStats.merge(spec.stats for _, spec in pairs).tau
-    return (
-        f"overall: {tokens} tokens   tau: {tau:.2f}   speculative {tokens / spec_s:.1f} tok/s vs target alone "
-        f"{tokens / alone_s:.1f} tok/s   speedup: {alone_s / spec_s:.2f}x"
-    )
-
-
-def _timed_pair(engine, image, prompt: str, max_new_tokens: int, repeats: int):
-    """(target alone, speculative) answers to ``prompt``: the fastest of ``repeats`` interleaved runs each."""
-    options = dict(prompt=prompt, max_new_tokens=max_new_tokens)
-    engine.generate(image, **options)  # warm-up, so neither timed run pays first-call costs
-    best: dict[bool, object] = {}
-    for _ in range(max(1, repeats)):  # interleaved, so a load change on the machine hits both alike
-        for speculative in (False, True):
-            result = engine.generate(image, **options, speculative=speculative)
-            if speculative not in best or result.stats.total_s < best[speculative].stats.total_s:
-                best[speculative] = result
-    return best[False], best[True]
-
-
-def demo_image():
-    """A held-out easy-vqa test image (a 64 x 64 shape the reference target never saw in training)."""
-    try:
-        from easy_vqa import get_test_image_paths
-    except ImportError as err:
-        raise ImportError("the demo image comes from the easy-vqa package: pip install easy-vqa") from err
-    return _open_image(get_test_image_paths()[DEMO_IMAGE_ID])
-
-
-def _open_image(path):
-    from PIL import Image
-
-    with Image.open(path) as image:
-        return image.convert("RGB")
 
 
 # ------------------------------------------------------------------------------------- serve
@@ -321,8 +261,8 @@ def _add_profile(commands) -> None:
 def _run_profile(args) -> int:
     from pathlib import Path
 
+    from vlmspec.loading import load_target
     from vlmspec.scheduling.profiling import plot_sps
-    from vlmspec.targets.adapter import load_target
     from vlmspec.targets.profile import profile_target, profile_target_batched
 
     target = load_target(
@@ -478,27 +418,6 @@ def _engine(args, engine_class=None, **options):
         decode=args.decode,
         **options,
     )
-
-
-def format_stats(result, baseline=None) -> str:
-    """A short human summary of one generation (and the speedup over the target alone, if given)."""
-    s = result.stats
-    accept = ", ".join(f"{a:.2f}" for a in s.acceptance_by_position[:8]) or "-"
-    lines = [
-        f"tokens: {s.new_tokens} ({result.finish_reason})   rounds: {s.rounds}   tau: {s.tau:.2f}   "
-        f"mean verified drafts/round: {s.mean_verified_length:.2f}",
-        f"acceptance by position: {accept}",
-        f"time: total {s.total_s:.3f}s = prefill {s.prefill_s:.3f} + draft {s.draft_s:.3f} + verify {s.verify_s:.3f} "
-        f"+ engine {s.other_s:.3f}   ({s.tokens_per_s:.1f} tok/s)",
-    ]
-    if baseline is not None:
-        b = baseline.stats
-        if baseline.token_ids != result.token_ids:  # a speed ratio between two different answers means nothing
-            lines.append(f"target alone: {b.tokens_per_s:.1f} tok/s   speedup: not comparable   output: DIFFERENT")
-        else:
-            speedup = s.tokens_per_s / b.tokens_per_s if b.tokens_per_s else float("nan")
-            lines.append(f"target alone: {b.tokens_per_s:.1f} tok/s   speedup: {speedup:.2f}x   output: identical")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from vlmspec.scheduling.prefix import require_anchors_fit
-from vlmspec.scheduling.profiling import PRESETS, SPSTable, sps_preset
+from vlmspec.scheduling.profiling import PRESETS, sps_preset
+from vlmspec.scheduling.tables import SPSTable
 
 SIMULATOR_PRESETS: tuple[str, ...] = tuple(PRESETS)  # names `sps_preset` accepts: appendix_a, gpu_like, cpu
 MAX_GAMMA = 16  # sliders on the page

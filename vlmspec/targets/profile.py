@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from vlmspec.scheduling.profiling import BatchSPSTable, SPSTable, profile_forward
+from vlmspec.scheduling.profiling import profile_forward
+from vlmspec.scheduling.tables import BatchSPSTable, SPSTable
 from vlmspec.targets.adapter import QwenVLTarget
 from vlmspec.targets.inputs import TargetInputs
 from vlmspec.targets.ragged import RaggedBatch
