@@ -7,7 +7,7 @@ run, for every backend the runner has on this machine:
 * ``fast, oneDNN/ATen``: the packed decoder with the AVX2 kernel turned off, its linears
   through oneDNN's reordered weights (float32) or ATen (bfloat16 without AVX-512);
 * ``fast, kernel``: the packed decoder over vlmspec's matrix-vector kernel
-  (``vlmspec/targets/cpu_kernels.py``), the default where it builds: its AVX-512 (and
+  (``vlmspec/kernels/cpu_kernels.py``), the default where it builds: its AVX-512 (and
   AVX512-BF16) form where the CPU has it, and on such CPUs also ``fast, kernel (AVX2)``,
   the same kernels held to AVX2 (``VLMSPEC_CPU_ISA=avx2``), to show what AVX-512 moves.
 
@@ -64,7 +64,7 @@ CONFIGS = {
 @contextmanager
 def kernel_enabled(enabled: bool, isa: str = "native") -> Iterator[None]:
     """Turn vlmspec's CPU kernel on or off (and hold it to AVX2) for the linears packed inside this block."""
-    from vlmspec.targets import cpu_kernels
+    from vlmspec.kernels import cpu_kernels
 
     settings = {cpu_kernels.KERNEL_ENV: "1" if enabled else "0", cpu_kernels.ISA_ENV: isa}
     saved = {name: os.environ.get(name) for name in settings}
@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     from vlmspec.loading import load_target
 
     out = prepare_out_dir(args.out)
-    from vlmspec.targets.cpu_kernels import cpu_has_avx512
+    from vlmspec.kernels.cpu_kernels import cpu_has_avx512
 
     default = [name for name, (_, _, isa) in CONFIGS.items() if isa == "native" or cpu_has_avx512()]
     configs = {name: CONFIGS[name] for name in args.config or default}

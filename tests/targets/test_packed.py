@@ -5,8 +5,8 @@ import torch
 
 from vlmspec import SpecEngine
 from vlmspec.drafters.prompt_lookup import PromptLookup
+from vlmspec.kernels.linear import PackedLinear
 from vlmspec.targets.adapter import QwenVLTarget
-from vlmspec.targets.packed import PackedLinear
 from vlmspec.targets.ragged import RaggedBatch
 
 LAYERS = (0, 2)

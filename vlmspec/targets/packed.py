@@ -4,7 +4,7 @@ A Hugging Face eager forward of a small model on a CPU spends most of a decode s
 its matrix-vector products, and ATen's ``F.linear`` reads an ``[N, K]`` weight at well
 under the machine's memory bandwidth when it multiplies one or a few rows (the T_step
 and T_verify terms of the performance model, docs/design.md §21). On x86 CPUs the
-linears here run through vlmspec's own AVX2 kernel (:mod:`vlmspec.targets.cpu_kernels`),
+linears here run through vlmspec's own AVX2 kernel (:mod:`vlmspec.kernels.cpu_kernels`),
 which reads float32 and bfloat16 weights as the model stores them near the memory
 bandwidth; elsewhere through oneDNN's reordered weights or ATen
 (``benchmarks/target_step.py`` measures each backend, term by term).
@@ -38,32 +38,10 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from vlmspec.targets.cpu_kernels import (
-    MAX_ROWS,
-    kernel_applies,
-    pack_weight,
-    packed_linear,
-    packing_applies,
-    rms_norm,
-    rope_write,
-    skinny_linear,
-)
-
-# oneDNN reorders a weight for an expected number of rows; 8 is the verify width of a
-# speculative round, and measured faster than 1 for 4-16 rows at a small cost for 1.
-PACKING_ROWS = 8
-
-
-def can_pack(weight: torch.Tensor) -> bool:
-    """Whether oneDNN can prepack this weight on this machine (CPU, float32, or bfloat16 with AVX-512)."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if weight.dtype == torch.float32:
-        return True
-    return weight.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+from vlmspec.kernels.cpu_kernels import kernel_applies, rms_norm, rope_write
+from vlmspec.kernels.linear import fused_linear
 
 
 class KVSlots(Protocol):
@@ -79,58 +57,6 @@ class KVSlots(Protocol):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, Hkv, hd] at (rows, slots); returns :meth:`buffers`."""
         ...
-
-
-class PackedLinear:
-    """``y = x @ W.T + b`` for ``W = cat(weights)``, through the fastest backend this machine has.
-
-    ``backend`` is chosen once:
-
-    * ``"packed"``: vlmspec's AVX-512 kernel over a copy of ``W`` in its packed layout
-      (16 outputs per vector; bfloat16 through AVX512-BF16), for up to ``MAX_ROWS`` rows;
-    * ``"kernel"``: vlmspec's AVX2 matrix-vector kernel (:mod:`vlmspec.targets.cpu_kernels`)
-      over the fused weight as stored, float32 or bfloat16, for up to ``MAX_ROWS`` rows;
-    * ``"onednn"``: the weight reordered once for oneDNN (a CPU without the kernel);
-    * ``"aten"``: plain ``F.linear`` (GPUs, bfloat16 on a CPU without native bfloat16).
-
-    More rows than ``MAX_ROWS`` (a wide batch) go through ATen's GEMM, which is the better
-    tool there, over the model's own weights.
-    """
-
-    def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> None:
-        self._parts = [(w.detach(), None if b is None else b.detach()) for w, b in zip(weights, biases)]
-        weight = torch.cat([w for w, _ in self._parts]) if len(weights) > 1 else self._parts[0][0]  # [N, K]
-        self.bias = None
-        if any(b is not None for b in biases):
-            self.bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in self._parts])  # [N]
-        self.out_features, self.in_features = weight.shape
-        if packing_applies(weight):
-            self.backend, self.weight = "packed", pack_weight(weight)
-        elif kernel_applies(weight):
-            self.backend, self.weight = "kernel", weight
-        elif can_pack(weight):
-            self.backend, self.weight = "onednn", _reorder(weight)
-        else:
-            self.backend, self.weight = "aten", weight
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [B, K] -> [B, N]
-        if self.backend == "packed":
-            if x.shape[0] <= MAX_ROWS:
-                return packed_linear(x, self.weight, self.out_features, self.bias)
-            return torch.cat([F.linear(x, w, b) for w, b in self._parts], dim=-1)
-        if self.backend == "kernel" and x.shape[0] <= MAX_ROWS:
-            return skinny_linear(x, self.weight, self.bias)
-        if self.backend == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-
-def _reorder(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_ROWS)
-
-
-def _linear(*modules: nn.Linear) -> PackedLinear:
-    return PackedLinear([m.weight for m in modules], [m.bias for m in modules])
 
 
 def fast_norm(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -161,10 +87,10 @@ class _Layer:
     def __init__(self, layer: nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm, self.post_norm = fast_norm(layer.input_layernorm), fast_norm(layer.post_attention_layernorm)
-        self.qkv = _linear(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.out = _linear(attn.o_proj)
-        self.gate_up = _linear(mlp.gate_proj, mlp.up_proj)
-        self.down = _linear(mlp.down_proj)
+        self.qkv = fused_linear(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.out = fused_linear(attn.o_proj)
+        self.gate_up = fused_linear(mlp.gate_proj, mlp.up_proj)
+        self.down = fused_linear(mlp.down_proj)
         self.act = mlp.act_fn
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3-VL: per head
         self.q_norm = None if q_norm is None else fast_norm(q_norm)
@@ -191,7 +117,7 @@ class PackedDecoder:
         self.embed = text.embed_tokens
         self.norm = fast_norm(text.norm)
         self.layers = [_Layer(layer) for layer in text.layers]
-        self.head = _linear(model.get_output_embeddings())
+        self.head = fused_linear(model.get_output_embeddings())
         self.inv_freq = text.rotary_emb.inv_freq.detach().float()  # [hd / 2]
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads

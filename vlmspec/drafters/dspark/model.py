@@ -33,6 +33,8 @@ from vlmspec.drafters.dspark.backbone import ContextKV, DSparkBackbone, RMSNorm,
 from vlmspec.drafters.dspark.confidence import ConfidenceHead
 from vlmspec.drafters.dspark.config import DSparkConfig
 from vlmspec.drafters.dspark.heads import HeadSample, build_head
+from vlmspec.kernels.cpu_kernels import kernel_applies
+from vlmspec.kernels.linear import PackedLinear
 
 if TYPE_CHECKING:
     from vlmspec.drafters.dspark.proposer import DSparkProposer
@@ -250,7 +252,11 @@ class DSparkDrafter(nn.Module):
         """The frozen LM head over the draft vocabulary (a softmax of these is the target's
         distribution conditioned on the draft vocabulary)."""
         weight, bias, _ = self._draft_rows()
-        return torch.nn.functional.linear(target_hidden.to(weight.dtype), weight, bias).float()
+        x = target_hidden.to(weight.dtype)
+        fast = self._head_rows[4]  # the rows in the CPU kernels' layout, when drafting (inference) on a CPU
+        if fast is not None:
+            return fast(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], fast.out_features).float()
+        return torch.nn.functional.linear(x, weight, bias).float()
 
     def draft_columns(self, tokens: torch.Tensor) -> torch.Tensor:  # [...] target ids -> [...] int64, -1 outside
         """Draft-vocabulary column of each target id (-1 for ids outside the draft vocabulary)."""
@@ -283,8 +289,11 @@ class DSparkDrafter(nn.Module):
             rows_bias = None if bias is None else (bias if full else bias[ids])
             columns = torch.full((self.config.target_vocab_size,), -1, dtype=torch.long, device=ids.device)
             columns[ids] = torch.arange(ids.shape[0], device=ids.device)
-            self._head_rows = (key, rows.detach(), None if rows_bias is None else rows_bias.detach(), columns)
-        return self._head_rows[1:]
+            rows, rows_bias = rows.detach(), None if rows_bias is None else rows_bias.detach()
+            # Drafting reads these rows once per round for a few positions: through the CPU kernels where they apply.
+            fast = PackedLinear([rows], [rows_bias]) if key[-1] and kernel_applies(rows) else None
+            self._head_rows = (key, rows, rows_bias, columns, fast)
+        return self._head_rows[1:4]
 
     def confidences(
         self,

@@ -37,6 +37,7 @@ from vlmspec.drafters.base import check_batch
 from vlmspec.drafters.dspark.backbone import ContextKV
 from vlmspec.drafters.dspark.cache import DraftContextCache
 from vlmspec.drafters.dspark.model import DSparkDrafter
+from vlmspec.kernels.linear import FastLinears
 from vlmspec.types import ContextUpdate, DraftBlock, SamplingParams
 
 
@@ -68,6 +69,7 @@ class DSparkProposer:
         self.position_rule: str = config.position_rule
         self._feature_width = len(config.target_layer_ids) * config.target_hidden_size
         self._padded: _PaddedContexts | None = None
+        self._fast_linears = FastLinears(drafter)  # the drafter's linears in the CPU kernels' layout (see propose)
 
     def new_state(self) -> DSparkState:
         return DSparkState()
@@ -84,7 +86,21 @@ class DSparkProposer:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator],
     ) -> DraftBlock:
-        """Append each update's features to its request's draft cache and draft one block per request."""
+        """Append each update's features to its request's draft cache and draft one block per request.
+
+        The drafter's linears run through the CPU kernels the target's runner uses (T_draft:
+        a few rows each, where ATen reads the weights slowly); elsewhere as they are.
+        """
+        with self._fast_linears:
+            return self._propose(states, updates, params, generators)
+
+    def _propose(
+        self,
+        states: Sequence[DSparkState],
+        updates: Sequence[ContextUpdate],
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator],
+    ) -> DraftBlock:
         check_batch(states, updates, params, generators)
         features = [self._checked_features(update) for update in updates]  # every update, before any state changes
         spans = self._absorb(states, updates, features)

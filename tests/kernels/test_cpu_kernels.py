@@ -3,7 +3,7 @@ import warnings
 import pytest
 import torch
 
-from vlmspec.targets import cpu_kernels
+from vlmspec.kernels import cpu_kernels
 
 # The kernels exist only on x86 CPUs with AVX2 and a C++ compiler; elsewhere the runner falls back to
 # oneDNN/ATen, which test_packed.py covers, and the fallback itself is tested below on every machine.
