@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(commands)
     _add_profile(commands)
     _add_simulate(commands)
+    _add_export(commands)
     return parser
 
 
@@ -333,6 +334,54 @@ def _run_simulate(args) -> int:
     preset = args.preset if (args.preset or args.sps) else "cpu"
     table = load_table_for_simulator(args.sps, preset)
     print(f"wrote {write_simulator(args.out, table, gamma=args.gamma, open_browser=args.open)}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------ export
+def _add_export(commands) -> None:
+    p = commands.add_parser("export", help="write a DSpark drafter in a serving engine's checkpoint layout")
+    p.add_argument("drafter", help="'reference', 'reference-dflash' or a saved DSpark drafter directory")
+    p.add_argument("out", help="directory to write (config.json, model.safetensors, vlmspec.json)")
+    p.add_argument(
+        "--format",
+        required=True,
+        choices=("deepspec", "speculators", "dflash"),
+        help="deepspec (vLLM/SGLang DSpark), speculators (vLLM's training library) or dflash (z-lab)",
+    )
+    p.add_argument(
+        "--target",
+        default=None,
+        help="the target (as for generate), needed for the LM head rows of a reduced draft vocabulary; "
+        "'reference' by default for the reference drafters",
+    )
+    p.add_argument(
+        "--verifier", default=None, help="the target's path or hub id, recorded where the format has a field"
+    )
+    p.add_argument(
+        "--allow-inexact",
+        action="store_true",
+        help="write even where the format's model computes something else (listed as NOT EXACT)",
+    )
+    p.set_defaults(run=_run_export)
+
+
+def _run_export(args) -> int:
+    from vlmspec.drafters.export import export_drafter
+    from vlmspec.reference import REFERENCE_DRAFTERS, reference_drafter_dir
+
+    is_reference = args.drafter in REFERENCE_DRAFTERS
+    source = reference_drafter_dir(args.drafter) if is_reference else args.drafter
+    target_spec = args.target or ("reference" if is_reference else None)
+    options = dict(strict=not args.allow_inexact, verifier=args.verifier)
+    try:  # the target is loaded only when the export needs it (a reduced draft vocabulary's LM head rows)
+        report = export_drafter(source, args.out, args.format, **options)
+    except ValueError as err:
+        if target_spec is None or "target=" not in str(err):
+            raise
+        from vlmspec.loading import load_target
+
+        report = export_drafter(source, args.out, args.format, target=load_target(target_spec), **options)
+    print(report.summary())
     return 0
 
 

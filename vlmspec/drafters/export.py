@@ -1,0 +1,489 @@
+"""Export DSpark drafters to the checkpoint layouts that serving engines load, and import them back.
+
+Formats (``FORMATS``):
+
+* ``"deepspec"``: DeepSpec's ``Qwen3DSparkModel`` layout (e.g. deepseek-ai/dspark_qwen3_8b_block7),
+  read by vLLM's ``qwen3_dspark.py`` (``method="dspark"``) and SGLang's ``DSPARK``. A Hugging
+  Face ``qwen3`` config plus ``dflash_config.{mask_token_id, target_layer_ids}``, ``block_size``,
+  ``num_target_layers``, ``markov_rank``, ``enable_confidence_head``, ``confidence_head_with_markov``,
+  ``draft_vocab_size``; target layer ids mean "output of decoder layer i"; the anchor slot predicts
+  the first draft token (``sample_from_anchor`` / ``shift_label``). Vanilla Markov head only.
+* ``"speculators"``: vLLM's training library (``speculators.models.dspark.DSparkDraftModel``,
+  ``speculators_model_type="dspark"``): a ``transformer_layer_config`` plus DSpark fields. Its
+  ``aux_hidden_state_layer_ids`` count the *input* of layer i (vLLM's aux-hidden-state hook), so
+  they are vlmspec's ids + 1. Carries vanilla, gated and RNN heads; ``sample_from_anchor=true``.
+* ``"dflash"``: z-lab's ``DFlashDraftModel`` (``dflash/model.py``; vLLM ``method="dflash"``,
+  SGLang ``DFLASH``): ``dflash_config.{mask_token_id, target_layer_ids}``, ``block_size``,
+  ``num_target_layers``; weights ``fc``, ``hidden_norm``, ``layers.*``, ``norm``. No Markov or
+  confidence head, no draft vocabulary map, and its mask slots sit AT the predicted position
+  (slot k of ``[anchor, MASK...]`` predicts the token at anchor + k; the anchor slot is unused),
+  whereas a vlmspec drafter's slot k predicts the token at anchor + k + 1. The backbone computes
+  the same hidden states; the engine reads them one slot later. That difference is refused
+  unless ``strict=False``.
+
+Shared by all three: the target's input embedding and LM head (not stored; with a reduced draft
+vocabulary the deepspec and speculators layouts store the LM head rows and a ``d2t`` offset map,
+sorted by target id), 1-D RoPE (``rope_type="default"``, never ``mrope_section``), context keys
+and values that are each draft layer's own k/v projections of ``hidden_norm(fc(features))``
+with q/k RMS norms, and a mask token that is a row of the target's embedding
+(``mask_token_id``). vlmspec-only fields (``position_rule``, ``head_rank`` ...) ride along in
+``vlmspec.json``, which engines ignore.
+
+Weight names map one to one (vlmspec -> exported): ``backbone.context_proj`` -> ``fc``,
+``backbone.context_norm`` -> ``hidden_norm``, ``backbone.layers.i.input_norm`` ->
+``layers.i.input_layernorm``, ``.attn.`` -> ``.self_attn.``, ``.mlp_norm`` ->
+``.post_attention_layernorm``, ``backbone.norm`` -> ``norm``, ``head.embed`` / ``head.out`` /
+``head.gate`` / ``head.joint`` -> ``markov_head.markov_w1`` / ``markov_w2`` / ``gate_proj`` /
+``joint_proj``, ``confidence.proj`` -> ``confidence_head.proj``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlmspec.drafters.dspark.config import CONFIG_NAME, DSparkConfig
+from vlmspec.drafters.dspark.model import WEIGHTS_NAME, DSparkDrafter
+
+FORMATS = ("deepspec", "speculators", "dflash")
+VLMSPEC_META = "vlmspec.json"  # vlmspec-only fields, ignored by the engines
+MAX_POSITIONS = 32768
+
+#: vlmspec state-dict name pattern -> exported name (applied in order, first match wins).
+_RENAMES: tuple[tuple[str, str], ...] = (
+    (r"^backbone\.context_proj\.", "fc."),
+    (r"^backbone\.context_norm\.", "hidden_norm."),
+    (r"^backbone\.norm\.", "norm."),
+    (r"^backbone\.layers\.(\d+)\.input_norm\.", r"layers.\1.input_layernorm."),
+    (r"^backbone\.layers\.(\d+)\.mlp_norm\.", r"layers.\1.post_attention_layernorm."),
+    (r"^backbone\.layers\.(\d+)\.attn\.", r"layers.\1.self_attn."),
+    (r"^backbone\.layers\.(\d+)\.mlp\.", r"layers.\1.mlp."),
+    (r"^head\.embed\.", "markov_head.markov_w1."),
+    (r"^head\.out\.", "markov_head.markov_w2."),
+    (r"^head\.gate\.", "markov_head.gate_proj."),
+    (r"^head\.joint\.", "markov_head.joint_proj."),
+    (r"^confidence\.proj\.", "confidence_head.proj."),
+)
+_BACK: tuple[tuple[str, str], ...] = (
+    (r"^fc\.", "backbone.context_proj."),
+    (r"^hidden_norm\.", "backbone.context_norm."),
+    (r"^norm\.", "backbone.norm."),
+    (r"^layers\.(\d+)\.input_layernorm\.", r"backbone.layers.\1.input_norm."),
+    (r"^layers\.(\d+)\.post_attention_layernorm\.", r"backbone.layers.\1.mlp_norm."),
+    (r"^layers\.(\d+)\.self_attn\.", r"backbone.layers.\1.attn."),
+    (r"^layers\.(\d+)\.mlp\.", r"backbone.layers.\1.mlp."),
+    (r"^markov_head\.markov_w1\.", "head.embed."),
+    (r"^markov_head\.markov_w2\.", "head.out."),
+    (r"^markov_head\.gate_proj\.", "head.gate."),
+    (r"^markov_head\.joint_proj\.", "head.joint."),
+    (r"^confidence_head\.proj\.", "confidence.proj."),
+)
+
+
+@dataclass
+class ExportReport:
+    """What an export wrote and what it could not carry."""
+
+    format: str
+    directory: Path
+    dropped: list[str] = field(default_factory=list)  # parts of the drafter the format has no place for
+    inexact: list[str] = field(default_factory=list)  # where the format's model computes something else
+    notes: list[str] = field(default_factory=list)  # engine-specific caveats worth knowing
+
+    def summary(self) -> str:
+        lines = [f"wrote {self.format} drafter to {self.directory}"]
+        lines += [f"  dropped: {item}" for item in self.dropped]
+        lines += [f"  NOT EXACT: {item}" for item in self.inexact]
+        lines += [f"  note: {item}" for item in self.notes]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- export
+def export_drafter(
+    drafter_or_dir: DSparkDrafter | str | os.PathLike,
+    out_dir: str | os.PathLike,
+    format: str,
+    *,
+    target: Any = None,
+    strict: bool = True,
+    verifier: str | None = None,
+    max_position_embeddings: int = MAX_POSITIONS,
+) -> ExportReport:
+    """Write ``drafter_or_dir`` (a drafter, or a directory saved by ``save_pretrained``) in ``format``.
+
+    ``target`` (duck-typed: ``output_head``, ``num_layers``) supplies the LM head rows that
+    a reduced draft vocabulary must ship and the target's layer count (``num_target_layers``);
+    a drafter object brings its own tied head. ``verifier`` is the target's path or hub id,
+    recorded where the format has a field for it. With ``strict=False`` a computational
+    difference between vlmspec and the format (see the module docstring) is written anyway
+    and listed in ``report.inexact``; refusals of what cannot be written at all stay errors.
+    Raises ``ValueError`` with the fix for anything the format cannot express.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"unknown export format {format!r}; choose one of {FORMATS}")
+    config, state, head_weight = _drafter_parts(drafter_or_dir, target)
+    report = ExportReport(format, Path(out_dir))
+    _check_expressible(config, format, strict, report)
+    weights = _export_weights(config, state, format, report)
+    if config.draft_vocab_size is not None:
+        weights.update(_vocab_map(config, state, head_weight, weights))
+    num_target_layers = getattr(target, "num_layers", None) or max(config.target_layer_ids) + 2
+    writers = {"deepspec": _deepspec_config, "speculators": _speculators_config, "dflash": _dflash_config}
+    exported = writers[format](config, num_target_layers, max_position_embeddings, verifier)
+    _write(report.directory, exported, weights, config)
+    for message in report.dropped + report.inexact:
+        warnings.warn(f"export to {format}: {message}", stacklevel=2)
+    return report
+
+
+def _drafter_parts(
+    drafter_or_dir: DSparkDrafter | str | os.PathLike, target: Any
+) -> tuple[DSparkConfig, dict[str, torch.Tensor], torch.Tensor | None]:
+    """Config, own weights (on the CPU) and the target LM head weight [V, d] (None when unknown)."""
+    if isinstance(drafter_or_dir, DSparkDrafter):
+        state = {name: t.detach().cpu() for name, t in drafter_or_dir.state_dict().items()}
+        return drafter_or_dir.config, state, drafter_or_dir.vocabulary.lm_head.weight.detach().cpu()
+    from safetensors.torch import load_file
+
+    path = Path(drafter_or_dir)
+    config = DSparkConfig.load(path)
+    if not (path / WEIGHTS_NAME).is_file():
+        raise FileNotFoundError(f"{path} has no {WEIGHTS_NAME}; save the drafter with DSparkDrafter.save_pretrained")
+    head = None if target is None else target.output_head.weight.detach().cpu()
+    return config, load_file(str(path / WEIGHTS_NAME)), head
+
+
+def _check_expressible(config: DSparkConfig, format: str, strict: bool, report: ExportReport) -> None:
+    """Refuse what ``format`` cannot express; record what it drops or computes differently."""
+    if config.mask_token_id is None:
+        raise ValueError(
+            f"this drafter uses a learned mask vector (mask_token_id=None); {format} loaders embed MASK as a "
+            "row of the target's embedding. Train the drafter with mask_token_id set to a reserved id in "
+            "[len(tokenizer), vocab_size) (DSparkConfig.mask_token_id), then export it"
+        )
+    if config.hidden_size != config.target_hidden_size:
+        raise ValueError(
+            f"drafter hidden size {config.hidden_size} differs from the target's {config.target_hidden_size}; "
+            f"{format} shares the target's embedding and LM head directly and has no embed_proj/head_proj. "
+            "Build the drafter with hidden_size equal to the target's"
+        )
+    if format == "deepspec" and config.head_kind != "vanilla":
+        raise ValueError(
+            f"the deepspec layout (vLLM Qwen3DSparkModel) carries only the vanilla Markov head, not "
+            f"head_kind={config.head_kind!r}; export with format='speculators' (vanilla, gated, rnn and none) "
+            "or train a vanilla head"
+        )
+    if format == "dflash":
+        _check_dflash(config, strict, report)
+    elif config.head_kind in ("gated", "rnn"):
+        report.notes.append(
+            f"head_kind={config.head_kind!r}: speculators' DSparkDraftModel loads it, but vLLM's Qwen3DSparkModel "
+            "and TensorRT-LLM implement only the vanilla Markov head"
+        )
+    report.notes.append(
+        f"positions: vlmspec's drafter was trained with position_rule={config.position_rule!r} for image tokens; "
+        "an engine that feeds the drafter other 1-D positions for image prompts drafts differently there "
+        "(text-only prompts agree: all M-RoPE rows are equal for text)"
+    )
+
+
+def _check_dflash(config: DSparkConfig, strict: bool, report: ExportReport) -> None:
+    if config.draft_vocab_size is not None:
+        raise ValueError(
+            f"z-lab's DFlash layout has no draft vocabulary map (d2t), but this drafter drafts over "
+            f"{config.draft_vocab_size} ids; export with format='speculators' or 'deepspec', or train with "
+            "draft_vocab_size=None"
+        )
+    if config.head_kind != "none":
+        report.dropped.append(f"the {config.head_kind} Markov head (DFlash drafts every position in parallel)")
+    if config.confidence_head:
+        report.dropped.append("the confidence head (DFlash has none; confidence schedulers cannot use it)")
+    slot = (
+        "slot semantics: DFlash reads draft k from the mask slot at anchor + k (a block of block_size slots "
+        "gives block_size - 1 drafts, the anchor slot unused); vlmspec's slot k (anchor slot included) "
+        "predicts the token at anchor + k + 1. The weights load and the backbone's hidden states agree, but "
+        "the engine reads them one slot later, so drafts are off by one position"
+    )
+    if strict:
+        raise ValueError(
+            f"the dflash format cannot express this drafter exactly: {slot}. Export with format='speculators' "
+            "or 'deepspec' (sample_from_anchor=true), or pass strict=False (CLI: --allow-inexact) to write it anyway"
+        )
+    report.inexact.append(slot)
+
+
+# ---------------------------------------------------------------------------------- weights
+def _rename(name: str, rules: tuple[tuple[str, str], ...]) -> str | None:
+    for pattern, replacement in rules:
+        if re.match(pattern, name):
+            return re.sub(pattern, replacement, name, count=1)
+    return None
+
+
+def _export_weights(
+    config: DSparkConfig, state: dict[str, torch.Tensor], format: str, report: ExportReport
+) -> dict[str, torch.Tensor]:
+    """The drafter's own weights under the format's names (heads dropped where the format has none)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name in ("draft_token_ids", "mask_embedding"):
+            continue  # the vocabulary map is written separately; a learned mask was refused earlier
+        new = _rename(name, _RENAMES)
+        if new is None:
+            raise ValueError(f"no {format} name for drafter weight {name!r}; this vlmspec version cannot export it")
+        if format == "dflash" and new.startswith(("markov_head.", "confidence_head.")):
+            continue
+        out[new] = tensor.detach().contiguous()
+    return out
+
+
+def _vocab_map(
+    config: DSparkConfig,
+    state: dict[str, torch.Tensor],
+    head_weight: torch.Tensor | None,
+    weights: dict[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """``lm_head`` rows, ``d2t`` offsets and ``t2d`` mask of the draft vocabulary, columns sorted by target id.
+
+    Sorting permutes draft columns (and ``markov_w2`` rows, in ``weights``, in place); the
+    distribution over target ids is unchanged. speculators rebuilds ``lm_head`` from ``t2d``
+    in ascending id order, so unsorted columns would not line up there.
+    """
+    if head_weight is None:
+        raise ValueError(
+            f"this drafter drafts over a reduced vocabulary ({config.draft_vocab_size} ids): the export must ship "
+            "the target's LM head rows for them. Pass target= (CLI: --target) or a DSparkDrafter object"
+        )
+    ids = state["draft_token_ids"].long()
+    order = torch.argsort(ids)
+    ids = ids[order]
+    if "markov_head.markov_w2.weight" in weights:
+        weights["markov_head.markov_w2.weight"] = weights["markov_head.markov_w2.weight"][order].contiguous()
+    t2d = torch.zeros(config.target_vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return {
+        "lm_head.weight": head_weight[ids].to(weights["fc.weight"].dtype).contiguous(),
+        "d2t": ids - torch.arange(ids.shape[0]),
+        "t2d": t2d,
+    }
+
+
+# ---------------------------------------------------------------------------------- configs
+def _qwen3_fields(config: DSparkConfig, max_positions: int) -> dict[str, Any]:
+    """The Hugging Face ``qwen3`` fields of the draft backbone, with 1-D RoPE."""
+    return {
+        "model_type": "qwen3",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "vocab_size": config.target_vocab_size,
+        "max_position_embeddings": max_positions,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+    }
+
+
+def _markov_fields(config: DSparkConfig) -> dict[str, Any]:
+    has_head = config.head_kind != "none"
+    return {
+        "markov_rank": config.head_rank if has_head else 0,
+        "markov_head_type": config.head_kind if has_head else "vanilla",
+        "enable_confidence_head": config.confidence_head,
+        "confidence_head_with_markov": bool(config.confidence_head and config.confidence_with_markov),
+    }
+
+
+def _deepspec_config(config: DSparkConfig, num_target_layers: int, max_positions: int, verifier: str | None) -> dict:
+    markov = _markov_fields(config)
+    return {
+        **_qwen3_fields(config, max_positions),
+        "architectures": ["Qwen3DSparkModel"],
+        "block_size": config.block_size,
+        "num_target_layers": num_target_layers,
+        "target_hidden_size": config.target_hidden_size,
+        "draft_vocab_size": config.num_draft_tokens,
+        "sample_from_anchor": True,
+        **markov,
+        "dflash_config": {
+            "mask_token_id": config.mask_token_id,
+            "target_layer_ids": list(config.target_layer_ids),  # output of decoder layer i
+            "projector_type": "dspark",
+            "shift_label": True,  # slot j predicts the token after it (anchor slot included)
+            "markov_rank": markov["markov_rank"],
+            "markov_head_type": markov["markov_head_type"],
+            "use_confidence_head": config.confidence_head,
+        },
+    }
+
+
+def _speculators_config(config: DSparkConfig, num_target_layers: int, max_positions: int, verifier: str | None) -> dict:
+    layer = _qwen3_fields(config, max_positions)
+    return {
+        "speculators_model_type": "dspark",
+        "architectures": ["DSparkSpeculator"],
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config.num_draft_tokens,
+        "block_size": config.block_size,
+        "target_hidden_size": config.target_hidden_size,
+        # vLLM's aux hidden state i is the input of layer i = the output of layer i - 1.
+        "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
+        "mask_token_id": config.mask_token_id,
+        "sliding_window_non_causal": False,
+        "sample_from_anchor": True,
+        **_markov_fields(config),
+        "speculators_config": {
+            "algorithm": "dspark",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": []},
+        },
+    }
+
+
+def _dflash_config(config: DSparkConfig, num_target_layers: int, max_positions: int, verifier: str | None) -> dict:
+    return {
+        **_qwen3_fields(config, max_positions),
+        "architectures": ["DFlashDraftModel"],
+        "block_size": config.block_size,
+        "num_target_layers": num_target_layers,
+        "dflash_config": {
+            "mask_token_id": config.mask_token_id,
+            "target_layer_ids": list(config.target_layer_ids),  # output of decoder layer i
+        },
+    }
+
+
+def _write(directory: Path, exported: dict, weights: dict[str, torch.Tensor], config: DSparkConfig) -> None:
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / CONFIG_NAME).write_text(json.dumps(exported, indent=2) + "\n")
+    meta = {"vlmspec_config": config.to_dict()}
+    (directory / VLMSPEC_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+
+
+# ---------------------------------------------------------------------------------- import
+def detect_format(directory: str | os.PathLike) -> str:
+    """Which of ``FORMATS`` the ``config.json`` in ``directory`` is written in."""
+    path = Path(directory) / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"no {CONFIG_NAME} in {directory}: not an exported drafter")
+    data = json.loads(path.read_text())
+    if data.get("speculators_model_type") == "dspark":
+        return "speculators"
+    if data.get("speculators_model_type"):
+        raise ValueError(f"{path}: speculators algorithm {data['speculators_model_type']!r} is not a DSpark drafter")
+    if "Qwen3DSparkModel" in data.get("architectures", []) or "markov_rank" in data:
+        return "deepspec"
+    if "dflash_config" in data:
+        return "dflash"
+    raise ValueError(f"{path} is neither a deepspec, speculators nor dflash drafter config; see {FORMATS}")
+
+
+def read_exported(directory: str | os.PathLike) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:
+    """The vlmspec config and state dict of an exported drafter (no target needed)."""
+    from safetensors.torch import load_file
+
+    path = Path(directory)
+    format = detect_format(path)
+    data = json.loads((path / CONFIG_NAME).read_text())
+    config = _config_from(format, data, _vlmspec_meta(path))
+    exported = load_file(str(path / WEIGHTS_NAME))
+    return config, _import_weights(config, exported, path)
+
+
+def import_drafter(directory: str | os.PathLike, *, target: Any) -> DSparkDrafter:
+    """Load an exported drafter (any of ``FORMATS``) as a :class:`DSparkDrafter` tied to ``target``."""
+    from vlmspec.drafters.dspark.model import _tie
+
+    config, state = read_exported(directory)
+    config.check_target(target)
+    drafter = DSparkDrafter(config, _tie(target))
+    expected = set(drafter.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"{directory}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]}); "
+            "the checkpoint is incomplete or was written for another architecture"
+        )
+    drafter.load_state_dict(state)
+    return drafter.to(device=target.device, dtype=target.dtype)
+
+
+def _vlmspec_meta(path: Path) -> dict[str, Any]:
+    meta = path / VLMSPEC_META
+    return json.loads(meta.read_text()).get("vlmspec_config", {}) if meta.is_file() else {}
+
+
+def _config_from(format: str, data: dict[str, Any], meta: dict[str, Any]) -> DSparkConfig:
+    """A DSparkConfig from an exported config (``meta``: vlmspec-only fields, when present)."""
+    layer = data["transformer_layer_config"] if format == "speculators" else data
+    rope = layer.get("rope_parameters") or {}
+    if "mrope_section" in rope:
+        raise ValueError("the exported config defines mrope_section; vlmspec drafters use 1-D RoPE")
+    if format == "speculators":
+        layer_ids = [i - 1 for i in data["aux_hidden_state_layer_ids"]]
+    else:
+        layer_ids = list(data["dflash_config"]["target_layer_ids"])
+    mask = data.get("mask_token_id") if format == "speculators" else data["dflash_config"].get("mask_token_id")
+    vocab = int(layer["vocab_size"])
+    draft_vocab = int(data.get("draft_vocab_size") or vocab)
+    rank = int(data.get("markov_rank", 0)) if format != "dflash" else 0
+    fields: dict[str, Any] = {
+        **{k: v for k, v in meta.items() if k in ("position_rule", "target_name", "init_std", "version")},
+        "target_hidden_size": int(data.get("target_hidden_size") or layer["hidden_size"]),
+        "target_vocab_size": vocab,
+        "target_layer_ids": layer_ids,
+        "hidden_size": int(layer["hidden_size"]),
+        "num_layers": int(layer["num_hidden_layers"]),
+        "num_heads": int(layer["num_attention_heads"]),
+        "num_kv_heads": int(layer["num_key_value_heads"]),
+        "head_dim": int(layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]),
+        "intermediate_size": int(layer["intermediate_size"]),
+        "rms_norm_eps": float(layer["rms_norm_eps"]),
+        "rope_theta": float(rope.get("rope_theta", layer.get("rope_theta", 1_000_000.0))),
+        "block_size": int(data["block_size"]),
+        "mask_token_id": mask,
+        "draft_vocab_size": None if draft_vocab >= vocab else draft_vocab,
+        "head_kind": data.get("markov_head_type", "vanilla") if rank > 0 else "none",
+        "head_rank": rank if rank > 0 else int(meta.get("head_rank", 256)),
+        "confidence_head": bool(data.get("enable_confidence_head", False)) if format != "dflash" else False,
+        "confidence_with_markov": bool(data.get("confidence_head_with_markov", False)) and rank > 0,
+    }
+    return DSparkConfig(**fields)
+
+
+def _import_weights(config: DSparkConfig, exported: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in exported.items():
+        if name in ("lm_head.weight", "t2d", "embed_tokens.weight"):
+            continue  # the target's own rows, re-tied at load
+        if name == "d2t":
+            state["draft_token_ids"] = tensor.long() + torch.arange(tensor.shape[0])
+            continue
+        new = _rename(name, _BACK)
+        if new is None:
+            raise ValueError(f"{path}: unknown weight {name!r}; this is not a checkpoint vlmspec can import")
+        state[new] = tensor
+    if config.draft_vocab_size is not None and "draft_token_ids" not in state:
+        raise ValueError(f"{path}: draft_vocab_size is {config.draft_vocab_size} but the checkpoint has no d2t map")
+    return state
+
+
+__all__ = ["FORMATS", "ExportReport", "detect_format", "export_drafter", "import_drafter", "read_exported"]
