@@ -61,6 +61,22 @@ class ContextUpdate:
     anchor: int  # last committed token id
     anchor_position: int  # its 1-D text-stream position
 
+    @classmethod
+    def joined(cls, updates: Sequence[ContextUpdate]) -> ContextUpdate:
+        """One update holding consecutive spans (rounds a proposer sat out, then the last), anchored as the last."""
+        if len(updates) == 1:
+            return updates[0]
+        features = None
+        if all(u.features is not None for u in updates):
+            features = torch.cat([u.features.to(updates[0].features.device) for u in updates])
+        return cls(
+            token_ids=torch.cat([u.token_ids for u in updates]),
+            positions=torch.cat([u.positions for u in updates]),
+            features=features,
+            anchor=updates[-1].anchor,
+            anchor_position=updates[-1].anchor_position,
+        )
+
 
 @dataclass
 class PrefillOutput:
@@ -88,6 +104,9 @@ class DraftBlock:
     draft_probs: torch.Tensor | None = None  # [B, gamma, V] float32
     # Conditional survival probability of each position given the ones before survived.
     confidences: torch.Tensor | None = None  # [B, gamma] float32
+    # Where each row's drafts came from, for a proposer that chooses per request (e.g. "ngram",
+    # "model", "none" for a row that drafts nothing this round); None: one source for all.
+    sources: tuple[str, ...] | None = None  # [B]
 
     @property
     def gamma(self) -> int:
@@ -97,7 +116,10 @@ class DraftBlock:
         """The block of the requests in ``rows`` ([b] indices, in that order)."""
         index = torch.as_tensor(rows, dtype=torch.long)
         pick = lambda t: None if t is None else t[index.to(t.device)]  # noqa: E731
-        return DraftBlock(pick(self.tokens), pick(self.num_tokens), pick(self.draft_probs), pick(self.confidences))
+        sources = None if self.sources is None else tuple(self.sources[int(i)] for i in index)
+        return DraftBlock(
+            pick(self.tokens), pick(self.num_tokens), pick(self.draft_probs), pick(self.confidences), sources
+        )
 
     def truncated(self, lengths: torch.Tensor) -> DraftBlock:
         """The block cut to ``min(num_tokens, lengths)`` drafts per request: the slots the target will verify.
@@ -112,6 +134,7 @@ class DraftBlock:
             num_tokens=num_tokens,
             draft_probs=None if self.draft_probs is None else self.draft_probs[:, :width],
             confidences=None if self.confidences is None else self.confidences[:, :width],
+            sources=self.sources,
         )
 
 
@@ -140,6 +163,7 @@ class RoundRecord:
     # padding); None when the proposer has no confidence head.
     confidences: torch.Tensor | None  # [gamma] float32, on the CPU
     tokens: list[int]  # committed this round, in order
+    source: str | None = None  # where the drafts came from, when the proposer chooses per round ("none": skipped)
 
 
 # SpecStats fields that several generations pool by summing (see SpecStats.merge).
@@ -170,6 +194,7 @@ class SpecStats:
     accepted_by_position: list[int] = field(default_factory=list)
     verified_by_position: list[int] = field(default_factory=list)
     verified_lengths: list[int] = field(default_factory=list)  # per round
+    rounds_by_source: dict[str, int] = field(default_factory=dict)  # a choosing proposer's sources ("none": skipped)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -191,6 +216,8 @@ class SpecStats:
             _add_counts(merged.accepted_by_position, s.accepted_by_position)
             _add_counts(merged.verified_by_position, s.verified_by_position)
             merged.verified_lengths.extend(s.verified_lengths)
+            for source, count in s.rounds_by_source.items():
+                merged.rounds_by_source[source] = merged.rounds_by_source.get(source, 0) + count
         return merged
 
     @property

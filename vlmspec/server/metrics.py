@@ -42,6 +42,13 @@ class ServerMetrics:
         self.accepted_by_position = Counter(
             "vlmspec_spec_accepted_by_position", "Rounds that accepted draft position k", ["position"], registry=r
         )
+        self.rounds_by_source = Counter(
+            "vlmspec_spec_rounds_by_source",
+            "Rounds by where their drafts came from, for a proposer that chooses per round "
+            "(the drafting policy: ngram, model; none = drafting skipped)",
+            ["source"],
+            registry=r,
+        )
         self.tau = Gauge("vlmspec_spec_tau", "Tokens committed per round over all finished requests", registry=r)
         self.running = Gauge("vlmspec_num_requests_running", "Requests in the engine's batch", registry=r)
         self.waiting = Gauge("vlmspec_num_requests_waiting", "Requests queued for the batch", registry=r)
@@ -72,6 +79,8 @@ class ServerMetrics:
         for position, (verified, accepted) in enumerate(zip(stats.verified_by_position, stats.accepted_by_position)):
             self.verified_by_position.labels(str(position + 1)).inc(verified)
             self.accepted_by_position.labels(str(position + 1)).inc(accepted)
+        for source, count in stats.rounds_by_source.items():
+            self.rounds_by_source.labels(source).inc(count)
         self._rounds += stats.rounds
         self._accepted += stats.accepted
         self.tau.set(SpecStats(rounds=self._rounds, accepted=self._accepted).tau)

@@ -238,7 +238,7 @@ class SpecDecoder:
         _check_running(requests)
         drafts = self.proposer.propose(
             [r.draft_state for r in requests],
-            [_joined([*r.skipped_updates, r.update]) if r.skipped_updates else r.update for r in requests],
+            [ContextUpdate.joined([*r.skipped_updates, r.update]) for r in requests],
             [r.params for r in requests],
             [r.generator for r in requests],
         )
@@ -261,7 +261,8 @@ class SpecDecoder:
         skipped step's span with the next one when drafting resumes.
         """
         _check_running(requests)
-        return DraftBlock(torch.zeros(len(requests), 0, dtype=torch.long), torch.zeros(len(requests), dtype=torch.long))
+        none = torch.zeros(len(requests), dtype=torch.long)
+        return DraftBlock(none[:, None][:, :0], none, sources=("none",) * len(requests))
 
     def plan(
         self,
@@ -346,9 +347,12 @@ class SpecDecoder:
     ) -> RoundRecord:
         """Commit one request's round; a failure here ends only this request (finish_reason "error")."""
         drafted, verified = int(plan.drafts.num_tokens[row]), int(plan.block.num_tokens[row])
+        source = None if plan.drafts.sources is None else plan.drafts.sources[row]
         committed: list[int] = []
         try:
             request.stats.record_round(drafted=drafted, verified=verified, accepted=accepted)
+            if source is not None:
+                request.stats.rounds_by_source[source] = request.stats.rounds_by_source.get(source, 0) + 1
             committed = request.commit(plan.input_ids[row, 1 : accepted + 1].tolist() + [next_token])
             kept = slice(0, accepted + 1)  # the anchor and the accepted drafts now have target features
             update = ContextUpdate(
@@ -363,21 +367,8 @@ class SpecDecoder:
             request.update, request.update_proposed = update, False
         except Exception as err:  # noqa: BLE001 - isolated to this request, reported on it
             request.finish("error", err)
-        return RoundRecord(drafted, verified, accepted, _row_confidences(plan.drafts.confidences, row), committed)
-
-
-def _joined(updates: Sequence[ContextUpdate]) -> ContextUpdate:
-    """One update holding consecutive spans (steps that skipped drafting, then the last), anchored as the last is."""
-    features = None
-    if all(u.features is not None for u in updates):
-        features = torch.cat([u.features.to(updates[0].features.device) for u in updates])
-    return ContextUpdate(
-        token_ids=torch.cat([u.token_ids for u in updates]),
-        positions=torch.cat([u.positions for u in updates]),
-        features=features,
-        anchor=updates[-1].anchor,
-        anchor_position=updates[-1].anchor_position,
-    )
+        confidences = _row_confidences(plan.drafts.confidences, row)
+        return RoundRecord(drafted, verified, accepted, confidences, committed, source)
 
 
 def _check_running(requests: Sequence[SpecRequest]) -> None:

@@ -1,0 +1,113 @@
+"""The hybrid proposer (n-gram copies + DSpark under the drafting policy): lossless, current, reported.
+
+Greedy: token for token the target alone's output, for every family, with and without an
+image, one request and batched. Sampling (temperature 1, the confined target of
+stat_helpers): the first three tokens follow the target's exact joint law (chi-square),
+with rounds drafted by the model, copied by the n-gram source and skipped all occurring.
+"""
+
+from __future__ import annotations
+
+import torch
+from stat_helpers import PROMPT, chi_square_p_value, exact_first_tokens
+
+from vlmspec.drafters.base import PerRequestProposer
+from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter
+from vlmspec.drafters.hybrid import MODEL, NGRAM, HybridProposer
+from vlmspec.drafters.prompt_lookup import PromptLookup
+from vlmspec.engine import SpecEngine
+from vlmspec.scheduling.policy import NONE, DraftCosts, DraftingPolicy
+from vlmspec.serving import BatchEngine
+from vlmspec.types import ContextUpdate, DraftBlock, SamplingParams
+
+COSTS = DraftCosts(verify_steps=(1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7), draft_steps={MODEL: 0.4, NGRAM: 0.0})
+REPEATING = "Repeat after me: one two three, one two three, one two three, one two three."
+
+
+def untrained_drafter(target, **overrides) -> DSparkDrafter:
+    torch.manual_seed(0)
+    config = DSparkConfig.for_target(target, **{"head_rank": 16, "block_size": 4, **overrides})
+    return DSparkDrafter.from_target(target, config)
+
+
+def hybrid(target, *, smoothing: float = 1.0, **overrides) -> HybridProposer:
+    """Switches on every round's outcome (smoothing 1), so all three choices occur in short generations."""
+    policy = DraftingPolicy(COSTS, priors={MODEL: 1.0, NGRAM: 1.0}, smoothing=smoothing, probe_every=4)
+    ngram = PromptLookup(max_draft_tokens=4, max_ngram=3, min_ngram=1)
+    return HybridProposer(untrained_drafter(target, **overrides).proposer(), policy, ngram=ngram)
+
+
+def test_greedy_with_the_hybrid_equals_the_target_alone(family, make_target, astronaut):
+    target = make_target(family)
+    engine = SpecEngine(target, hybrid(target))
+    for image, prompt in ((astronaut, PROMPT), (None, REPEATING)):
+        alone = engine.generate(image, prompt, max_new_tokens=16, speculative=False)
+        spec = engine.generate(image, prompt, max_new_tokens=16)
+        assert spec.token_ids == alone.token_ids
+        assert sum(spec.stats.rounds_by_source.values()) == spec.stats.rounds
+
+
+def test_greedy_batched_with_the_hybrid_equals_each_request_alone(make_target, astronaut, coffee):
+    target = make_target("qwen2_5_vl")
+    requests = [
+        {"images": astronaut, "prompt": PROMPT, "max_new_tokens": 12},
+        {"prompt": REPEATING, "max_new_tokens": 16},
+        {"images": coffee, "prompt": "What is this?", "max_new_tokens": 10},
+    ]
+    alone = BatchEngine(target).generate_many(requests)
+    results = BatchEngine(target, hybrid(target), max_batch_size=2).generate_many(requests)
+    assert [r.token_ids for r in results] == [r.token_ids for r in alone]
+    sources = set().union(*(r.stats.rounds_by_source for r in results))
+    assert MODEL in sources and NGRAM in sources  # the repeating prompt gets copies, the others the model
+
+
+def test_sampling_with_the_hybrid_follows_the_target_distribution(confined_target, astronaut):
+    """250 seeded generations at temperature 1: the first three tokens fit the exact joint (p > 1e-3).
+
+    Round 1 drafts with the model (the priors say it pays); round 2's choice follows round
+    1's outcome and whether the anchor repeats a token seen before (an n-gram copy).
+    """
+    params = SamplingParams(temperature=1.0)
+    joint = exact_first_tokens(confined_target, astronaut, params)
+    engine = SpecEngine(confined_target, hybrid(confined_target, block_size=3))
+    index = {seq: i for i, seq in enumerate(joint)}
+    counts = torch.zeros(len(joint), dtype=torch.float64)
+    sources: dict[str, int] = {}
+    runs = 250
+    for seed in range(runs):
+        result = engine.generate(astronaut, PROMPT, max_new_tokens=3, temperature=1.0, seed=seed)
+        counts[index[tuple(result.token_ids)]] += 1
+        for source, n in result.stats.rounds_by_source.items():
+            sources[source] = sources.get(source, 0) + n
+    assert {MODEL, NGRAM, NONE} <= set(sources), f"every choice must occur for the test to bite: {sources}"
+    expected = runs * torch.tensor(list(joint.values()), dtype=torch.float64)
+    assert chi_square_p_value(counts, expected) > 1e-3
+
+
+class RecordingModel(PerRequestProposer):
+    """TEST HELPER: a model source that drafts one fixed token and records every span it absorbs."""
+
+    max_draft_tokens = 2
+
+    def new_state(self) -> list[torch.Tensor]:
+        return []
+
+    def propose_one(self, state, update: ContextUpdate, params, generator) -> DraftBlock:
+        state.append(update.token_ids.clone())
+        return DraftBlock(torch.tensor([[7, 7]]), torch.tensor([2]), confidences=torch.full((1, 2), 0.5))
+
+
+def test_the_model_absorbs_every_span_in_order_even_after_rounds_it_sat_out():
+    policy = DraftingPolicy(COSTS, priors={MODEL: 0.0, NGRAM: 0.0}, probe_every=3)  # none, except probes
+    proposer = HybridProposer(RecordingModel(), policy)
+    state = proposer.new_state()
+    spans = [torch.arange(5), torch.tensor([5]), torch.tensor([6]), torch.tensor([7]), torch.tensor([8, 9])]
+    choices = []
+    for i, span in enumerate(spans):
+        update = ContextUpdate(span, span, None, anchor=100 + i, anchor_position=int(span[-1]) + 1)
+        block = proposer.propose([state], [update], [SamplingParams()], [torch.Generator()])
+        choices.append(block.sources[0])
+    assert choices == [NONE, NONE, NONE, MODEL, NONE]  # the probe after 3 idle rounds
+    absorbed = torch.cat(state.model)
+    assert torch.equal(absorbed, torch.arange(8))  # spans 0-3 in one update, in order, nothing twice
+    assert len(state.pending) == 1 and torch.equal(state.pending[0].token_ids, spans[4])  # waits for the next

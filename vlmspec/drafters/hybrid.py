@@ -1,0 +1,162 @@
+"""The hybrid proposer: n-gram prompt lookup and a model drafter (DSpark) behind one Proposer.
+
+Each round, for each request, the drafting policy (:mod:`vlmspec.scheduling.policy`)
+picks the source expected to cost the fewest target steps per committed token, or none:
+
+* ``"ngram"``: a copy of what followed the latest earlier occurrence of the last n-gram
+  of the prompt and answer so far. It costs almost nothing to draft, and it is offered
+  only when such a match exists (a function of the committed tokens, known before the round);
+* ``"model"``: the model drafter's block (one forward for every request that chose it);
+* ``"none"``: no drafts; the round verifies the anchor alone, as the target alone would.
+
+The evidence is each request's own: how many of a source's drafts survived in the rounds
+it drafted (read from the next round's update: its span is the anchor plus the accepted
+drafts). Sources that were not chosen stay current: the n-gram history absorbs every
+round, and the spans the model did not see wait in the request's state until it drafts
+again, then go in as one update (its context never has a hole).
+
+Draft probabilities stay exact: model rows carry the distributions the model sampled
+from; an n-gram draft is deterministic, a one-hot distribution, so verification keeps
+the target's law whatever the mix. n-gram rows carry confidence 1 (a copy is verified
+whole; calibration maps 1 to 1), cut to one past the accepted drafts the request's copies
+have averaged (:func:`~vlmspec.scheduling.policy.planned_drafts`): a long copy that rarely
+survives would otherwise cost a wide verify for one token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vlmspec.drafters.base import Proposer, check_batch, stack_blocks
+from vlmspec.drafters.prompt_lookup import PromptLookup, PromptLookupState
+from vlmspec.scheduling.policy import DraftingPolicy, SourceEvidence, planned_drafts
+from vlmspec.types import ContextUpdate, DraftBlock, SamplingParams
+
+NGRAM = "ngram"
+MODEL = "model"
+
+
+@dataclass
+class HybridState:
+    """One request's state: both sources' own states, the model's unabsorbed spans, the policy's evidence."""
+
+    ngram: PromptLookupState | None
+    model: Any
+    evidence: dict[str, SourceEvidence]
+    pending: list[ContextUpdate] = field(default_factory=list)  # spans the model has not absorbed yet
+    last_source: str | None = None  # None before the first round
+    last_drafts: int = 0  # drafts the last round offered
+
+
+class HybridProposer:
+    """Prompt lookup and a model drafter, the source chosen per request and per round (see the module docstring).
+
+    >>> policy = DraftingPolicy(DraftCosts.from_table(sps_table, {"model": 0.35, "ngram": 0.02}))
+    >>> proposer = HybridProposer(dspark_proposer, policy)
+
+    ``ngram=None`` keeps the model as the only source: the policy then decides only whether
+    a round drafts at all.
+    """
+
+    def __init__(self, model: Proposer, policy: DraftingPolicy, ngram: PromptLookup | None = None) -> None:
+        if not isinstance(model, Proposer):
+            raise TypeError(f"model must implement the Proposer protocol, got {type(model).__name__}")
+        self.model = model
+        self.ngram = ngram
+        self.policy = policy
+        self.sources = (MODEL,) if ngram is None else (NGRAM, MODEL)
+        self.max_draft_tokens: int = max(model.max_draft_tokens, 0 if ngram is None else ngram.max_draft_tokens)
+        self.feature_layers: tuple[int, ...] = model.feature_layers
+        self.vocab_size: int | None = model.vocab_size
+        self.position_rule: str = model.position_rule
+
+    def new_state(self) -> HybridState:
+        ngram = None if self.ngram is None else self.ngram.new_state()
+        return HybridState(ngram, self.model.new_state(), self.policy.new_evidence(self.sources))
+
+    def propose(
+        self,
+        states: Sequence[HybridState],
+        updates: Sequence[ContextUpdate],
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator],
+    ) -> DraftBlock:
+        """Learn from last round, offer n-gram copies, choose per request, draft the model rows in one call."""
+        check_batch(states, updates, params, generators)
+        for state, update in zip(states, updates):
+            self._observe(state, update)
+        copies = [self._copy(state, update, p, g) for state, update, p, g in zip(states, updates, params, generators)]
+        choices = [
+            self.policy.choose(state.evidence, {NGRAM: int(copy.num_tokens[0]), MODEL: self.model.max_draft_tokens})
+            for state, copy in zip(states, copies)
+        ]
+        for state, update in zip(states, updates):
+            state.pending.append(update)
+        model_rows = [row for row, choice in enumerate(choices) if choice == MODEL]
+        drafted = self._model_block(states, params, generators, model_rows) if model_rows else None
+        rows = []
+        for row, choice in enumerate(choices):
+            if choice == MODEL:
+                rows.append(_with_confidences(drafted.select([model_rows.index(row)])))
+            elif choice == NGRAM:  # a copy is verified whole: cut it to what is expected to pay
+                keep = planned_drafts(states[row].evidence[NGRAM].accepted, int(copies[row].num_tokens[0]))
+                rows.append(_with_confidences(copies[row].truncated(torch.tensor([keep]))))
+            else:
+                rows.append(_empty())
+            states[row].last_source, states[row].last_drafts = choice, int(rows[-1].num_tokens[0])
+        return dataclasses.replace(stack_blocks(rows), sources=tuple(choices))
+
+    # ---------------------------------------------------------------- steps
+    def _observe(self, state: HybridState, update: ContextUpdate) -> None:
+        """What the last round showed: its span is the anchor plus the drafts that survived."""
+        if state.last_source is None:  # the first round: the update is the prompt
+            return
+        span = update.token_ids.shape[0]
+        # A longer span than the last round could commit holds rounds the host ran without drafting
+        # (SpecDecoder.skip_drafting): what the last drafts did is then unknown.
+        accepted = span - 1 if span <= state.last_drafts + 1 else None
+        self.policy.observe(state.evidence, state.last_source, accepted)
+
+    def _copy(self, state: HybridState, update: ContextUpdate, params: SamplingParams, generator) -> DraftBlock:
+        """The n-gram copy on offer this round (none without an n-gram source); absorbs the update into its history."""
+        if self.ngram is None:
+            return _empty()
+        return self.ngram.propose_one(state.ngram, update, params, generator)
+
+    def _model_block(
+        self,
+        states: Sequence[HybridState],
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator],
+        rows: list[int],
+    ) -> DraftBlock:
+        """The model's drafts for ``rows``, each absorbing every span it has not seen (one model call)."""
+        updates = [ContextUpdate.joined(states[row].pending) for row in rows]
+        block = self.model.propose(
+            [states[row].model for row in rows],
+            updates,
+            [params[row] for row in rows],
+            [generators[row] for row in rows],
+        )
+        for row in rows:
+            states[row].pending.clear()
+        return block
+
+
+def _with_confidences(block: DraftBlock) -> DraftBlock:  # one row
+    """A row with confidences: its own, or 1 for a source without (a copy is verified whole)."""
+    if block.confidences is not None:
+        return block
+    return dataclasses.replace(block, confidences=torch.ones(1, block.gamma, device=block.tokens.device))
+
+
+def _empty() -> DraftBlock:
+    """One row that drafts nothing."""
+    return DraftBlock(
+        torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, dtype=torch.long), confidences=torch.zeros(1, 0)
+    )

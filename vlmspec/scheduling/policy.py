@@ -1,0 +1,149 @@
+"""The drafting policy: before a round, whether a request drafts at all, and from which source.
+
+A drafting round costs ``T_draft`` whether or not its drafts survive (docs/design.md §21),
+so a request whose drafts rarely survive is faster with the target alone. The policy
+compares, per request and per round, the expected target steps per committed token of
+each way to run the round, in units of one target step ``T(1)``:
+
+* a source ``s`` that drafts ``d`` tokens, of which ``a_s`` are expected to survive:
+  ``(1 + a_s)`` tokens for ``T_draft(s) + T_verify(1 + v)`` with ``v = min(d, a_s + 1)``
+  drafts verified (verification usually ends one past the accepted prefix);
+* no drafts: 1 token for ``T_verify(1) = 1`` step.
+
+``a_s`` is what earlier rounds of the same request showed (an exponential average of the
+accepted drafts of the rounds that drafted from ``s``, starting from a prior), and the
+costs come from the SPS table (:class:`DraftCosts`). A source not chosen for
+``probe_every`` rounds is tried once (its evidence would otherwise never change).
+
+**Non-anticipation** (§9, applied to drafting): every input of :func:`choose_source` is
+known before the round's drafts are sampled: the evidence of earlier rounds, the costs,
+and the draft length a deterministic source offers (an n-gram match is a function of the
+committed tokens). The choice never looks at a draft the round samples, so whatever is
+chosen, verification keeps the target's distribution; ``tests/scheduling/test_policy.py``
+checks it statistically, and that a policy which peeks at its draft is caught.
+
+Everything here is numbers in, numbers out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from vlmspec.scheduling.tables import BatchSPSTable, SPSTable
+
+NONE = "none"  # the round drafts nothing: the target alone for one token
+
+
+@dataclass(frozen=True)
+class DraftCosts:
+    """What a round costs in target steps: ``T_verify(n) / T(1)`` and each source's ``T_draft / T(1)``."""
+
+    verify_steps: tuple[float, ...]  # [N] T_verify(n) / T(1) for n = 1 .. N (non-decreasing)
+    draft_steps: Mapping[str, float]  # source -> T_draft / T(1) (0 for a copy from the context)
+
+    def __post_init__(self) -> None:
+        if not self.verify_steps or any(v <= 0 for v in self.verify_steps):
+            raise ValueError(f"verify_steps must be positive step ratios for n = 1, 2, ...; got {self.verify_steps}")
+        if any(cost < 0 for cost in self.draft_steps.values()):
+            raise ValueError(f"draft_steps must be >= 0 target steps per round, got {dict(self.draft_steps)}")
+
+    @classmethod
+    def from_table(cls, table: SPSTable | BatchSPSTable, draft_steps: Mapping[str, float]) -> DraftCosts:
+        """Verify costs from a measured SPS table (one request's curve), drafting costs as given."""
+        curve = table.for_requests(1)
+        return cls(tuple(curve.sps(1) / curve.sps(n) for n in range(1, curve.max_tokens + 1)), dict(draft_steps))
+
+    def verify(self, tokens: int) -> float:
+        """``T_verify(tokens) / T(1)``; past the table, the last entry grown linearly in tokens."""
+        n = max(int(tokens), 1)
+        table = self.verify_steps
+        return table[n - 1] if n <= len(table) else table[-1] * n / len(table)
+
+
+@dataclass
+class SourceEvidence:
+    """What earlier rounds of one request showed about one draft source."""
+
+    accepted: float  # expected accepted drafts per round it drafts (exponential average, from a prior)
+    rounds: int = 0  # rounds it has drafted for this request
+    idle: int = 0  # rounds since it last drafted
+
+
+@dataclass
+class DraftingPolicy:
+    """The causal per-request choice of a draft source (see the module docstring).
+
+    ``priors``: accepted drafts per round each source is credited with before any evidence;
+    ``smoothing``: weight of the newest round in the average; ``probe_every``: a source
+    idle this many rounds is tried once.
+    """
+
+    costs: DraftCosts
+    priors: Mapping[str, float] = field(default_factory=dict)
+    smoothing: float = 0.3
+    probe_every: int = 16
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.smoothing <= 1.0:
+            raise ValueError(f"smoothing must lie in (0, 1], got {self.smoothing}")
+        if self.probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1 round, got {self.probe_every}")
+
+    def new_evidence(self, sources: Sequence[str]) -> dict[str, SourceEvidence]:
+        """A request's evidence before its first round: the priors."""
+        return {source: SourceEvidence(float(self.priors.get(source, 1.0))) for source in sources}
+
+    def choose(self, evidence: Mapping[str, SourceEvidence], offers: Mapping[str, int]) -> str:
+        """The source to draft from this round, or :data:`NONE`. ``offers``: source -> drafts it can give (> 0)."""
+        return choose_source(evidence, offers, self.costs, self.probe_every)
+
+    def observe(self, evidence: Mapping[str, SourceEvidence], chosen: str, accepted: int | None) -> None:
+        """Record a finished round: ``chosen`` drafted and ``accepted`` of its drafts survived (None: unknown)."""
+        for source, seen in evidence.items():
+            seen.idle = 0 if source == chosen else seen.idle + 1
+        if chosen != NONE and accepted is not None:
+            seen = evidence[chosen]
+            seen.accepted += self.smoothing * (accepted - seen.accepted)
+            seen.rounds += 1
+
+
+def planned_drafts(accepted: float, offered: int) -> int:
+    """Drafts worth verifying from a source expected to have ``accepted`` survive: one past them, at most ``offered``.
+
+    Verification usually ends one past the accepted prefix, so more costs verify slots that
+    rarely pay; a proposer cuts a deterministic source's drafts (an n-gram copy, verified
+    whole) to this length, and a scheduler does the like for a model's from its confidences.
+    """
+    return min(offered, max(1, round(accepted) + 1))
+
+
+def expected_steps_per_token(accepted: float, drafts: int, draft_steps: float, costs: DraftCosts) -> float:
+    """Target steps a committed token costs when a round offers ``drafts`` of which ``accepted`` survive.
+
+    The round verifies :func:`planned_drafts` of them.
+    """
+    return (draft_steps + costs.verify(1 + planned_drafts(accepted, drafts))) / (1.0 + min(accepted, drafts))
+
+
+def choose_source(
+    evidence: Mapping[str, SourceEvidence],
+    offers: Mapping[str, int],
+    costs: DraftCosts,
+    probe_every: int,
+) -> str:
+    """The offered source with the fewest expected target steps per token, if fewer than the target alone's 1.
+
+    A source idle for ``probe_every`` rounds or more is chosen to refresh its evidence
+    (the most idle first). Only sources in ``offers`` with at least one draft compete.
+    """
+    offered = {source: n for source, n in offers.items() if n > 0 and source in evidence}
+    overdue = [s for s in offered if evidence[s].idle >= probe_every]
+    if overdue:
+        return max(overdue, key=lambda s: evidence[s].idle)
+    best, best_cost = NONE, costs.verify(1)
+    for source, drafts in offered.items():
+        cost = expected_steps_per_token(evidence[source].accepted, drafts, costs.draft_steps.get(source, 0.0), costs)
+        if cost < best_cost:
+            best, best_cost = source, cost
+    return best
