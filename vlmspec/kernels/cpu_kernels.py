@@ -32,7 +32,7 @@ The reference target's step in bfloat16, one row, median of interleaved runs: 12
 with it against 18.4 ms with SDPA for one token, 18.3 against 20.6 for 4, a tie at 8.
 :func:`rope_write` rotates q and k and writes the new K/V in one call.
 
-The kernel (``cpu_kernels.cpp``) is compiled on first use, once per machine and torch
+The kernels (``cpu_linear.cpp``, ``cpu_kernels.cpp``, ``cpu_common.h``) are compiled on first use, once per machine and torch
 version, into ``$VLMSPEC_CACHE/kernels`` (about 20 s; needs g++ and ninja, which
 ``pip install vlmspec`` brings). Where it cannot be built or run, :func:`skinny_linear`
 is unavailable and the fast forward falls back to oneDNN or ATen, with one warning that
@@ -55,7 +55,8 @@ from vlmspec.paths import default_cache_dir
 KERNEL_ENV = "VLMSPEC_CPU_KERNEL"
 # "avx2" holds an AVX-512 CPU to the AVX2 kernels (read by the kernel at each call): for tests and A/B timings.
 ISA_ENV = "VLMSPEC_CPU_ISA"
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_linear.cpp"))
+HEADER = Path(__file__).with_name("cpu_common.h")
 # Measured on the AVX2 EPYC, a pass over every linear of the reference target: the kernel
 # beats ATen's GEMM at every row count up to 64 (float32 223 against 333 ms at 64 rows,
 # bfloat16 252 against 1,051). Past that, products become compute bound and a GEMM library
@@ -187,7 +188,7 @@ def _build_and_load() -> None:
         print("vlmspec: compiling the CPU matrix-vector kernel, once per machine (about 20 s)", file=sys.stderr)
     load(
         name=name,
-        sources=[str(SOURCE)],
+        sources=[str(source) for source in SOURCES],
         extra_cflags=list(CFLAGS),
         build_directory=str(build_dir),
         is_python_module=False,
@@ -197,5 +198,6 @@ def _build_and_load() -> None:
 
 def _build_directory() -> Path:
     """One directory per source and torch version, so that an edit or an upgrade rebuilds."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(CFLAGS).encode())
+    code = b"".join(path.read_bytes() for path in (*SOURCES, HEADER))
+    digest = hashlib.sha256(code + torch.__version__.encode() + " ".join(CFLAGS).encode())
     return default_cache_dir() / "kernels" / digest.hexdigest()[:16]
