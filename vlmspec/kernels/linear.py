@@ -7,7 +7,7 @@ kernels (:mod:`vlmspec.kernels.cpu_kernels`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -105,17 +105,17 @@ class FastLinears:
 
     def __init__(self, module: nn.Module) -> None:
         self._linears = [sub for sub in module.modules() if type(sub) is nn.Linear]
-        self._packed: dict[nn.Linear, tuple[tuple[int, ...], PackedLinear]] = {}
+        self._packed: dict[nn.Linear, tuple[tuple[int, ...], Callable]] = {}  # stamp, packed forward
         self._patched: list[nn.Linear] = []
 
     def __enter__(self) -> FastLinears:
         for sub in self._linears:
             if not kernel_applies(sub.weight):
                 continue
-            stamp, linear = self._packed.get(sub, (None, None))
-            if stamp != _stamp(sub):
-                stamp, linear = self._packed[sub] = (_stamp(sub), fused_linear(sub))
-            sub.forward = _flat(linear)
+            stamp, forward = self._packed.get(sub, (None, None))
+            if stamp != _stamp(sub):  # packed once, again only when the weight changed
+                stamp, forward = self._packed[sub] = (_stamp(sub), _flat(fused_linear(sub)))
+            sub.forward = forward
             self._patched.append(sub)
         return self
 

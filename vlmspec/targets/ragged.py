@@ -193,7 +193,7 @@ class RaggedBatch:
             self._decoder = self.target.packed_decoder()
         decoder = self._decoder
         if attention_applies(self._keys[0], decoder.head_dim):
-            rows, visible = layout.rows.to(ids.device), (layout.slots + 1).to(ids.device)  # [B], [B]
+            rows, visible = cache.rows, cache.slots + 1  # [B], [B] on the buffers' device
 
             def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
                 return decode_attention(q, keys, values, rows, visible, scaling)  # [B, H, hd]
