@@ -101,7 +101,7 @@ def test_a_prompt_that_leaves_too_little_context_warns_and_stops_there(make_targ
     assert 0 < room < 64, "the prompt should leave a few tokens of context"
     with pytest.warns(UserWarning, match=f"room for only {room} of max_new_tokens=64"):
         result = engine.generate(None, words, max_new_tokens=64)
-    assert result.finish_reason == "length" and len(result.token_ids) <= room
+    assert result.finish_reason == "context" and len(result.token_ids) <= room  # not "length": max_new_tokens
 
 
 def test_round_records_match_the_statistics_and_the_output(make_target):

@@ -287,6 +287,8 @@ class GenerationResult:
     text: str
     token_ids: list[int]  # generated tokens (EOS included when generation ended on it)
     stats: SpecStats
-    finish_reason: str  # "eos", "stop", or "length"; a BatchEngine request may also end in "abort" or "error"
+    # "eos", "stop", "length" (max_new_tokens) or "context" (the model's context window ended it first);
+    # a BatchEngine request may also end in "abort" or "error"
+    finish_reason: str
     error: BaseException | None = None  # what ended a request with finish_reason "error"
     prompt_tokens: int = 0  # tokens of the prompt the target prefilled (vision tokens included)

@@ -332,3 +332,20 @@ def test_an_unreadable_image_gets_a_fix_an_http_client_can_apply(live):
     message = answer["error"]["message"]
     assert status == 400 and "base64 data: URL" in message
     assert "BytesIO" not in message and "PIL" not in message
+
+
+def test_an_answer_the_context_cuts_short_says_so(live, server_target, client):
+    """OpenAI's "length", plus ``vlmspec.finish_reason == "context"`` and a message naming the fix."""
+    phrase = "one two three four five six seven eight nine ten "
+    length = lambda text: server_target.build_inputs(None, messages=engine_messages(text, False)).length  # noqa: E731
+    per_phrase = length(phrase * 2) - length(phrase)
+    words = phrase * ((server_target.max_context - 20 - (length(phrase) - per_phrase)) // per_phrase)
+    room = server_target.max_context - length(words) + 1
+    assert 0 < room < 64, "the prompt should leave a few tokens of context"
+    response = client.chat.completions.create(model=MODEL, messages=user(words), max_tokens=64, temperature=0)
+    spec = response.model_extra["vlmspec"]
+    assert response.choices[0].finish_reason == "length" and response.usage.completion_tokens <= room
+    assert spec["finish_reason"] == "context" and "context window" in spec["message"] and "max_tokens" in spec["message"]
+    short = client.chat.completions.create(model=MODEL, messages=user("Hi"), max_tokens=3, temperature=0)
+    assert short.choices[0].finish_reason == "length" and short.model_extra["vlmspec"]["finish_reason"] == "length"
+    assert "message" not in short.model_extra["vlmspec"]

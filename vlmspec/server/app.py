@@ -99,14 +99,16 @@ def create_app(engine: BatchEngine, config: ServerConfig | None = None) -> FastA
         request_id = completion_id()
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            events = _stream(worker, handle, request_id, config.model_name, include_usage)
+            events = _stream(worker, handle, request_id, config.model_name, include_usage, engine.target.max_context)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         result = await _until_finished_or_gone(worker, handle, request)
         if result is None:  # the client went away: its request was aborted, nobody reads an answer
             return Response(status_code=499)
         if result.finish_reason == "error":
             return JSONResponse(_server_error(result), status_code=500)
-        return JSONResponse(completion_body(request_id, config.model_name, handle.text.text, result))
+        return JSONResponse(
+            completion_body(request_id, config.model_name, handle.text.text, result, engine.target.max_context)
+        )
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -188,7 +190,7 @@ async def _disconnected(request: Request) -> None:
 
 
 async def _stream(
-    worker: EngineWorker, handle: RequestHandle, request_id: str, model: str, include_usage: bool
+    worker: EngineWorker, handle: RequestHandle, request_id: str, model: str, include_usage: bool, context: int
 ) -> AsyncIterator[str]:
     """Server-sent events of one answer: a role chunk, content chunks, the finish chunk, usage, [DONE].
 
@@ -204,7 +206,7 @@ async def _stream(
             yield _event(_server_error(result))
         else:
             finish = FINISH_REASONS[result.finish_reason]
-            yield _event(chunk_body(request_id, model, {}, finish, vlmspec=speculation(result)))
+            yield _event(chunk_body(request_id, model, {}, finish, vlmspec=speculation(result, context)))
             if include_usage:
                 yield _event(chunk_body(request_id, model, None, usage=usage(result)))
         yield "data: [DONE]\n\n"

@@ -18,8 +18,21 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from vlmspec.types import GenerationResult
 
 # How a vlmspec finish reason reads in the OpenAI API. "abort" never reaches a client (it left), and an
-# "error" is answered with a 500 or an error event instead.
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort", "error": "error"}
+# "error" is answered with a 500 or an error event instead. "context" (the model's context window ended the
+# answer before max_tokens) is OpenAI's "length", the only value clients know for a cut-short answer; the
+# `vlmspec` field then says "context" with a message (see CONTEXT_MESSAGE).
+FINISH_REASONS = {
+    "eos": "stop",
+    "stop": "stop",
+    "length": "length",
+    "context": "length",
+    "abort": "abort",
+    "error": "error",
+}
+CONTEXT_MESSAGE = (
+    "the answer was cut short by the model's {context}-token context window, before max_tokens: the prompt "
+    "used {prompt} tokens; send a shorter prompt, smaller images or a lower max_tokens"
+)
 MAX_STOP_STRINGS = 4  # as the OpenAI API
 
 
@@ -137,10 +150,13 @@ def usage(result: GenerationResult) -> dict:
     }
 
 
-def speculation(result: GenerationResult) -> dict:
-    """The ``vlmspec`` extension field: how speculation went for this request."""
+def speculation(result: GenerationResult, context: int | None = None) -> dict:
+    """The ``vlmspec`` extension field: how speculation went for this request, and why it ended.
+
+    ``context`` (the model's context in tokens) fills the ``message`` of an answer the context cut short.
+    """
     stats = result.stats
-    return {
+    field = {
         "tau": round(stats.tau, 4),
         "rounds": stats.rounds,
         "drafted": stats.drafted,
@@ -149,10 +165,15 @@ def speculation(result: GenerationResult) -> dict:
         "acceptance_by_position": [None if a != a else round(a, 4) for a in stats.acceptance_by_position],
         "finish_reason": result.finish_reason,
     }
+    if result.finish_reason == "context":
+        field["message"] = CONTEXT_MESSAGE.format(context=context or "?", prompt=result.prompt_tokens)
+    return field
 
 
-def completion_body(request_id: str, model: str, text: str, result: GenerationResult) -> dict:
-    """A whole ``chat.completion`` object."""
+def completion_body(
+    request_id: str, model: str, text: str, result: GenerationResult, context: int | None = None
+) -> dict:
+    """A whole ``chat.completion`` object (``context``: the model's context in tokens, for :func:`speculation`)."""
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -167,7 +188,7 @@ def completion_body(request_id: str, model: str, text: str, result: GenerationRe
             }
         ],
         "usage": usage(result),
-        "vlmspec": speculation(result),
+        "vlmspec": speculation(result, context),
     }
 
 

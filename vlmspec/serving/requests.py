@@ -11,6 +11,8 @@ from vlmspec.serving.steps import SpecDecoder, SpecRequest
 from vlmspec.targets.adapter import QwenVLTarget, RequestState, prefill_output
 from vlmspec.targets.inputs import ImageLike, TargetInputs
 
+CONTEXT_FINISH = "context"  # the finish reason of a request the context window cut short (see end_at_context)
+
 
 def new_request(
     target: QwenVLTarget,
@@ -47,13 +49,13 @@ def prefill_request(
 
 
 def warn_if_context_cuts(target: QwenVLTarget, request: SpecRequest, prompt_length: int) -> None:
-    """Say so when the context, not ``max_new_tokens``, will end the answer (both end it with "length")."""
+    """Say so before the prefill when the context, not ``max_new_tokens``, will end the answer ("context")."""
     room = target.max_context - prompt_length + 1  # the last token needs no cache slot
     if room < request.max_new_tokens:
         warnings.warn(
             f"the prompt's {prompt_length} tokens leave room for only {room} of max_new_tokens="
             f"{request.max_new_tokens} in this model's {target.max_context}-token context: the answer will stop "
-            "there with finish_reason 'length'. Shorten the prompt, use smaller images or lower max_new_tokens.",
+            "there with finish_reason 'context'. Shorten the prompt, use smaller images or lower max_new_tokens.",
             UserWarning,
             stacklevel=3,
         )
@@ -65,6 +67,10 @@ def context_room(target: QwenVLTarget, length: int) -> int:
 
 
 def end_at_context(target: QwenVLTarget, request: SpecRequest, length: int) -> None:
-    """Finish ``request`` ("length") when its next anchor, at cache index ``length``, would not fit the context."""
+    """Finish ``request`` when its next anchor, at cache index ``length``, would not fit the context.
+
+    The reason is ``"context"``, not ``"length"``: the answer was cut short by the model's context
+    window before ``max_new_tokens``, which a caller must be able to tell from reaching its own limit.
+    """
     if not request.finished and length + 1 > target.max_context:
-        request.finish("length")
+        request.finish(CONTEXT_FINISH)

@@ -79,7 +79,7 @@ class SpecRequest:
     update_proposed: bool = False  # the proposer has seen ``update``
     skipped_updates: list[ContextUpdate] = field(default_factory=list)  # spans of steps that skipped drafting
     tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "eos", "stop", "length", "abort" or "error"
+    finish_reason: str | None = None  # "eos", "stop", "length", "context", "abort" or "error"
     error: BaseException | None = None  # why the request failed (finish_reason "error")
     stats: SpecStats = field(default_factory=SpecStats)
 
@@ -104,7 +104,7 @@ class SpecRequest:
         return kept
 
     def finish(self, reason: str, error: BaseException | None = None) -> None:
-        """End the request now (the host's reasons: ``"length"`` at its context limit, ``"abort"``, ``"error"``)."""
+        """End the request now (the host's reasons: ``"context"`` at its context limit, ``"abort"``, ``"error"``)."""
         if self.finish_reason is None:
             self.finish_reason, self.error = reason, error
 
