@@ -141,3 +141,57 @@ def test_batched_profile_writes_one_curve_per_number_of_requests(tmp_path):
     assert table.requests == (1, 3) and table.curves[1].tokens[0] == 3 and table.curves[1].max_tokens == 9
     assert table.for_requests(2).tokens[0] == 2  # interpolated between the measured curves
     assert main(["profile", "--target", "tiny:qwen2_vl", "--out", str(out), "--requests", "0,x"]) == 2
+
+
+def _help(argv: list[str], capsys) -> str:
+    """The --help text, with lines that argparse broke at a hyphen or a space joined again."""
+    import re
+
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    return re.sub(r"\s+", " ", re.sub(r"-\n\s*", "-", capsys.readouterr().out))
+
+
+def test_every_command_help_names_the_bundled_target_and_drafters(capsys):
+    drafters = ("'reference'", "'reference-dspark'", "'reference-dflash'", "'prompt-lookup'", "'none'")
+    for command in ("generate", "demo", "serve"):
+        text = _help([command], capsys)
+        assert "'reference' (the bundled real-weights target" in text and "tiny:FAMILY" in text, command
+        assert all(name in text for name in drafters), command
+    assert "'reference' (the bundled real-weights target" in _help(["profile"], capsys)
+    assert "--target reference" in _help(["simulate"], capsys)
+    export = _help(["export"], capsys)
+    assert all(name in export for name in drafters[:3]) and "'reference' (the bundled real-weights target" in export
+    assert all(name in _help([], capsys) for name in drafters)
+
+
+def test_simulate_refuses_an_unknown_preset_with_the_flag_choices(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", "--preset", "bogus"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "invalid choice: 'bogus'" in err and "appendix_a" in err
+    assert "sps='" not in err  # no Python argument as the fix on a command line
+
+
+def test_simulate_takes_a_batch_table_from_profile_requests(tmp_path, capsys):
+    def profile(requests: str) -> str:
+        table = str(tmp_path / f"batch-{requests}.json")
+        options = ["--gamma", "2", "--context-length", "16", "--warmup", "1", "--repeats", "1", "--out", table]
+        assert main(["profile", "--target", "tiny:qwen2_vl", "--requests", requests, *options]) == 0
+        return table
+
+    page = str(tmp_path / "page.html")
+    assert main(["simulate", "--sps", profile("1,2"), "--out", page]) == 0  # the one-request curve
+    capsys.readouterr()
+    assert main(["simulate", "--sps", profile("2,4"), "--out", page]) == 2
+    err = capsys.readouterr().err
+    assert "--requests 1," in err and "--model" not in err and "sps='" not in err
+
+
+def test_a_misspelt_drafter_exits_2_with_the_closest_name(capsys):
+    assert main(["generate", "--target", "tiny:qwen2_vl", "--drafter", "refrence-dflash", "--prompt", "hi"]) == 2
+    assert "did you mean 'reference-dflash'?" in capsys.readouterr().err

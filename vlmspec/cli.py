@@ -11,7 +11,20 @@ from collections.abc import Sequence
 
 from vlmspec.demo import DEMO_PROMPT, DEMO_TEXT_PROMPT, format_stats, open_image
 from vlmspec.scheduling.factory import SCHEDULERS, describe_schedulers
+from vlmspec.scheduling.profiling import PRESETS
 from vlmspec.targets.adapter import DECODE_MODES
+
+
+# What --target and --drafter take, named the same in every command's --help (vlmspec.loading knows them).
+TARGET_HELP = (
+    "'reference' (the bundled real-weights target: SmolLM2-135M in a Qwen2-VL), a Qwen-VL model directory "
+    "(with config.json), or tiny:FAMILY for a random tiny model (qwen2_vl, qwen2_5_vl, qwen3_vl)"
+)
+DRAFTER_HELP = (
+    "'reference' (the bundled pair's default: n-gram copies and its DSpark drafter under the drafting policy), "
+    "'reference-dspark' (that DSpark drafter alone), 'reference-dflash' (a bundled DFlash drafter), "
+    "'prompt-lookup' (n-gram copies from the prompt), 'none' (the target alone) or a DSpark drafter directory"
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -25,7 +38,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vlmspec", description="Lossless speculative decoding for Qwen-VL models.")
+    parser = argparse.ArgumentParser(
+        prog="vlmspec",
+        description="Lossless speculative decoding for Qwen-VL models.",
+        epilog=f"--target: {TARGET_HELP}. --drafter: {DRAFTER_HELP}. Try: vlmspec demo",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     _add_generate(commands)
     _add_demo(commands)
@@ -89,17 +106,8 @@ def _add_demo(commands) -> None:
     p = commands.add_parser(
         "demo", help="the README's main job: an image question and a text question, speculative vs target alone"
     )
-    p.add_argument(
-        "--target",
-        default="reference",
-        help="'reference' (SmolLM2-135M as a Qwen2-VL, bundled), a Qwen-VL model directory, or tiny:FAMILY",
-    )
-    p.add_argument(
-        "--drafter",
-        default="reference",
-        help="'reference' (the DSpark drafter trained for the reference target), 'reference-dflash', "
-        "'prompt-lookup' or a DSpark drafter directory",
-    )
+    p.add_argument("--target", default="reference", help=TARGET_HELP)
+    p.add_argument("--drafter", default="reference", help=DRAFTER_HELP)
     _scheduler_options(p)
     # The reference pair verifies a draft only when it pays on this CPU (an 8-token forward costs ~2 steps).
     p.set_defaults(scheduler=None)  # sps on the reference target (its curve ships), else none: see _run_demo
@@ -318,10 +326,15 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 # ---------------------------------------------------------------------------------- simulate
 def _add_simulate(commands) -> None:
-    p = commands.add_parser("simulate", help="write the interactive scheduler simulator page (self-contained HTML)")
+    p = commands.add_parser(
+        "simulate",
+        help="write the interactive scheduler simulator page (self-contained HTML)",
+        description="Write the scheduler simulator for an SPS table: a preset, or one measured with `vlmspec "
+        "profile --target reference --out sps.json` (the bundled real-weights target; any --target works).",
+    )
     source = p.add_mutually_exclusive_group()
     source.add_argument("--sps", help="an SPS table written by `vlmspec profile`")
-    source.add_argument("--preset", help="a named SPS curve: cpu, gpu_like or appendix_a (default: cpu)")
+    source.add_argument("--preset", choices=PRESETS, help=f"a named SPS curve: {', '.join(PRESETS)} (default: cpu)")
     p.add_argument("--gamma", type=int, default=None, help="draft positions to show (up to 16)")
     p.add_argument("--out", default="scheduler-simulator.html")
     p.add_argument("--open", action="store_true", help="open the page in a browser")
@@ -340,7 +353,11 @@ def _run_simulate(args) -> int:
 # ------------------------------------------------------------------------------------ export
 def _add_export(commands) -> None:
     p = commands.add_parser("export", help="write a DSpark drafter in a serving engine's checkpoint layout")
-    p.add_argument("drafter", help="'reference', 'reference-dflash' or a saved DSpark drafter directory")
+    p.add_argument(
+        "drafter",
+        help="'reference' or 'reference-dspark' (the bundled DSpark drafter), 'reference-dflash' (the bundled "
+        "DFlash drafter) or a saved DSpark drafter directory",
+    )
     p.add_argument("out", help="directory to write (config.json, model.safetensors, vlmspec.json)")
     p.add_argument(
         "--format",
@@ -351,8 +368,8 @@ def _add_export(commands) -> None:
     p.add_argument(
         "--target",
         default=None,
-        help="the target (as for generate), needed for the LM head rows of a reduced draft vocabulary; "
-        "'reference' by default for the reference drafters",
+        help="the target, needed for the LM head rows of a reduced draft vocabulary ('reference' by default for "
+        f"the reference drafters): {TARGET_HELP}",
     )
     p.add_argument(
         "--verifier", default=None, help="the target's path or hub id, recorded where the format has a field"
@@ -387,19 +404,9 @@ def _run_export(args) -> int:
 
 # ----------------------------------------------------------------------------------- helpers
 def _target_options(p: argparse.ArgumentParser, drafter: bool = True) -> None:
-    p.add_argument(
-        "--target",
-        required=True,
-        help="'reference' (the bundled real-weights target), a Qwen-VL model directory, or tiny:FAMILY "
-        "for a random tiny model",
-    )
+    p.add_argument("--target", required=True, help=TARGET_HELP)
     if drafter:
-        p.add_argument(
-            "--drafter",
-            default="prompt-lookup",
-            help="'prompt-lookup', 'none', 'reference' / 'reference-dflash' (the bundled drafters) "
-            "or a DSpark drafter directory",
-        )
+        p.add_argument("--drafter", default="prompt-lookup", help=f"{DRAFTER_HELP} (default: prompt-lookup)")
         _scheduler_options(p)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--attn-implementation", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"))

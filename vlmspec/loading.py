@@ -3,9 +3,13 @@
 * targets: ``"reference"`` (SmolLM2-135M's real weights in a Qwen2-VL, :mod:`vlmspec.reference`),
   ``"tiny:FAMILY"`` / ``"small:FAMILY"`` (random-init Qwen-VL models for tests and
   benchmarks of the mechanics), or the directory of a saved Qwen-VL model;
-* drafters: None (the target alone), ``"prompt-lookup"``, ``"reference"`` /
-  ``"reference-dflash"`` (the drafters trained for the reference target), the directory of
-  a saved DSpark drafter, or any object that implements the Proposer protocol.
+* drafters: None or ``"none"`` (the target alone), ``"prompt-lookup"``, ``"reference"`` /
+  ``"reference-dspark"`` / ``"reference-dflash"`` (the drafters trained for the reference
+  target), the directory of a saved DSpark drafter, or any object that implements the
+  Proposer protocol.
+
+A name that is none of these gets an error saying whether the path is missing or lacks a
+``config.json``, with the closest built-in name (``refrence`` -> ``reference``).
 
 This module sits on top: ``targets/`` and ``drafters/`` know nothing of these names.
 """
@@ -23,6 +27,8 @@ from vlmspec.targets.adapter import QwenVLTarget, check_decode_mode, resolve_dty
 
 RANDOM_TARGET_SIZES = {"tiny": {}, "small": {"hidden_size": 512, "num_layers": 8}}
 REFERENCE_SPEC = "reference"
+PROMPT_LOOKUP = "prompt-lookup"
+NO_DRAFTER = "none"  # the target alone, as None
 
 
 def load_target(
@@ -47,53 +53,97 @@ def load_target(
         spec = reference_target_dir()
     kind, _, family = str(spec).partition(":")
     if kind in RANDOM_TARGET_SIZES and family:
-        from vlmspec.targets.tiny import tiny_target
+        from vlmspec.targets.tiny import FAMILIES, tiny_target
+
+        if family not in FAMILIES:
+            raise ValueError(
+                f"unknown Qwen-VL family in {str(spec)!r}; {did_you_mean(str(spec), target_names())}"
+                f"write {kind}:FAMILY with FAMILY one of {', '.join(FAMILIES)}"
+            )
 
         target = tiny_target(family, dtype=resolve_dtype(dtype), **RANDOM_TARGET_SIZES[kind])
         target.decode = check_decode_mode(decode)
         return target.to_device(device)
-    if not Path(spec).exists():
+    if not (Path(spec) / "config.json").is_file():
         raise FileNotFoundError(_unknown_target_message(str(spec)))
     return QwenVLTarget.from_pretrained(
         spec, dtype=dtype, attn_implementation=attn_implementation, device=device, decode=decode
     )
 
 
-def _unknown_target_message(spec: str) -> str:
-    """What to pass instead of a target that is neither a directory nor a built-in name (closest name first)."""
+def target_names() -> list[str]:
+    """The built-in target names: ``reference`` and ``tiny:FAMILY`` / ``small:FAMILY`` for every family."""
     from vlmspec.targets.tiny import FAMILIES
 
-    names = [REFERENCE_SPEC, *(f"{kind}:{family}" for kind in RANDOM_TARGET_SIZES for family in FAMILIES)]
-    close = difflib.get_close_matches(spec, names, n=1, cutoff=0.6)
-    guess = f"did you mean {close[0]!r}? " if close else ""
+    return [REFERENCE_SPEC, *(f"{kind}:{family}" for kind in RANDOM_TARGET_SIZES for family in FAMILIES)]
+
+
+def _unknown_target_message(spec: str) -> str:
+    """Why ``spec`` is no target (no such path, a file, or a folder without config.json) and what to pass instead."""
+    from vlmspec.targets.tiny import FAMILIES
+
+    path = Path(spec)
+    if path.is_dir():
+        problem = f"the folder {spec!r} has no config.json, so it holds no saved model"
+    elif path.exists():
+        problem = f"{spec!r} is a file, not a model directory"
+    else:
+        problem = f"there is no directory {spec!r}"
     return (
-        f"no model directory {spec!r}; {guess}pass the directory of a saved Qwen-VL model, {REFERENCE_SPEC!r} "
-        f"(the bundled reference target) or tiny:FAMILY for a random test model ({', '.join(FAMILIES)})"
+        f"{problem}; {did_you_mean(spec, target_names())}pass the directory of a saved Qwen-VL model (the one "
+        f"holding config.json), {REFERENCE_SPEC!r} (the bundled reference target) or tiny:FAMILY for a random "
+        f"test model ({', '.join(FAMILIES)})"
     )
+
+
+def did_you_mean(spec: str, names: list[str]) -> str:
+    """``"did you mean 'reference'? "`` for the closest of ``names`` to a mistyped ``spec``, or ``""``."""
+    close = difflib.get_close_matches(spec, names, n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}? " if close else ""
 
 
 def load_proposer(drafter: str | os.PathLike | Proposer | None, target: QwenVLTarget) -> Proposer:
     """A proposer from a name, a saved drafter directory, or an object that already is one."""
-    if drafter is None:
+    if drafter is None or str(drafter) == NO_DRAFTER:
         return NoDraft()
     if isinstance(drafter, Proposer):
         return drafter
-    if str(drafter) == "prompt-lookup":
+    if str(drafter) == PROMPT_LOOKUP:
         from vlmspec.drafters.prompt_lookup import PromptLookup
 
         return PromptLookup()
     from vlmspec.reference import REFERENCE_DRAFTERS, reference_drafter_dir
 
     path = reference_drafter_dir(str(drafter)) if str(drafter) in REFERENCE_DRAFTERS else Path(drafter)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"drafter {str(drafter)!r} is neither 'prompt-lookup', {' nor '.join(map(repr, REFERENCE_DRAFTERS))}, "
-            "nor a directory with a saved drafter"
-        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(_unknown_drafter_message(str(drafter)))
     from vlmspec.drafters.dspark import DSparkDrafter
 
     proposer = DSparkDrafter.from_pretrained(path, target=target).proposer()
     return reference_hybrid(proposer, target) if str(drafter) == "reference" else proposer
+
+
+def drafter_names() -> list[str]:
+    """The built-in drafter names: the reference drafters, ``prompt-lookup`` and ``none`` (the target alone)."""
+    from vlmspec.reference import REFERENCE_DRAFTERS
+
+    return [*REFERENCE_DRAFTERS, PROMPT_LOOKUP, NO_DRAFTER]
+
+
+def _unknown_drafter_message(spec: str) -> str:
+    """Why ``spec`` is no drafter (no such folder, or one without a saved drafter) and what to pass instead."""
+    path = Path(spec)
+    if path.is_dir():
+        problem = f"the folder {spec!r} has no config.json, so it holds no saved drafter"
+    elif path.exists():
+        problem = f"{spec!r} is a file, not a drafter directory"
+    else:
+        problem = f"there is no drafter directory {spec!r}"
+    names = ", ".join(map(repr, drafter_names()))
+    return (
+        f"{problem}; {did_you_mean(spec, drafter_names())}pass one of {names} or the directory of a DSpark "
+        "drafter saved with save_pretrained (the one holding config.json)"
+    )
 
 
 def reference_hybrid(model: Proposer, target: QwenVLTarget) -> Proposer:

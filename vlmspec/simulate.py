@@ -44,7 +44,7 @@ from typing import Any
 
 from vlmspec.scheduling.prefix import require_anchors_fit
 from vlmspec.scheduling.profiling import PRESETS, sps_preset
-from vlmspec.scheduling.tables import SPSTable
+from vlmspec.scheduling.tables import BatchSPSTable, SPSTable, load_sps_table
 
 SIMULATOR_PRESETS: tuple[str, ...] = tuple(PRESETS)  # names `sps_preset` accepts: appendix_a, gpu_like, cpu
 MAX_GAMMA = 16  # sliders on the page
@@ -93,7 +93,15 @@ def load_table_for_simulator(sps: str | Path | None, preset: str | None) -> SPST
         return sps_preset(preset)
     if not isinstance(sps, (str, Path)):
         raise TypeError(f"sps must be the path of an SPS table JSON file, got {type(sps).__name__}")
-    return SPSTable.load(Path(sps))
+    table = load_sps_table(Path(sps))
+    if isinstance(table, BatchSPSTable):  # from `vlmspec profile --requests`: the page shows one request's curve
+        if table.requests[0] != 1:
+            raise ValueError(
+                f"{sps} holds batch curves for {list(table.requests)} requests; the simulator needs the curve of "
+                "one request: measure with `vlmspec profile --requests 1,...` or without --requests"
+            )
+        return table.curves[0]
+    return table
 
 
 def write_simulator(
@@ -272,7 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--sps", help="an SPS table JSON written by `vlmspec profile`")
-    source.add_argument("--preset", help=f"a named SPS curve: {', '.join(SIMULATOR_PRESETS)} (default: cpu)")
+    source.add_argument(
+        "--preset", choices=SIMULATOR_PRESETS, help=f"a named SPS curve: {', '.join(SIMULATOR_PRESETS)} (default: cpu)"
+    )
     parser.add_argument("--gamma", type=int, default=None, help=f"draft positions shown at first (1..{MAX_GAMMA})")
     parser.add_argument("--confidences", default=None, help="initial c_1..c_gamma, comma-separated, e.g. 0.9,0.85,0.8")
     parser.add_argument("--out", default="scheduler-simulator.html", help="the HTML file to write")
