@@ -14,7 +14,6 @@ from vlmspec.scheduling.factory import SCHEDULERS, describe_schedulers
 from vlmspec.scheduling.profiling import PRESETS
 from vlmspec.targets.adapter import DECODE_MODES
 
-
 # What --target and --drafter take, named the same in every command's --help (vlmspec.loading knows them).
 TARGET_HELP = (
     "'reference' (the bundled real-weights target: SmolLM2-135M in a Qwen2-VL), a Qwen-VL model directory "
