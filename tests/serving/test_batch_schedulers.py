@@ -232,3 +232,46 @@ def test_appendix_a_a_peeking_scheduler_drifts_through_the_engine(appendix):
     estimate, rounds = first_token_of_each_round(appendix, PeekingScheduler(), 4)
     assert within_bound(estimate, 0.85, rounds), f"Pr(Y = A) = {estimate:.4f}, expected the lossy 0.85"
     assert not within_bound(estimate, 0.7, rounds)
+
+
+# The README's seeded-sampling claim, scheduler by scheduler: a seeded request gets the same tokens alone and
+# with batch-mates under these (each row's verified length is its own: fixed, its own confidences, or SPS as
+# if alone), and may not under the schedulers that split one verification budget over the batch.
+SAME_SAMPLE_IN_ANY_BATCH = {"none": True, "threshold": True, "sps": True, "prefix": False, "lagged-topk": False}
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_a_seeded_request_gets_the_same_tokens_in_any_batch_only_where_the_readme_says(
+    name, confined_target, drafter, astronaut
+):
+    def run(seeds: range, mates: list[dict]) -> list[list[int]]:
+        engine = BatchEngine(
+            confined_target, drafter.proposer(), build_scheduler(name, **SCHEDULERS[name]), max_batch_size=8
+        )
+        mine = [dict(prompt=PROMPT, max_new_tokens=12, temperature=1.0, seed=seed) for seed in seeds]
+        return [r.token_ids for r in engine.generate_many(mine + mates)[: len(mine)]]
+
+    seeds = range(6)
+    alone = [run(range(seed, seed + 1), [])[0] for seed in seeds]
+    in_a_batch = run(seeds, mixed_requests(astronaut, temperature=0.8, seed=99))
+    if SAME_SAMPLE_IN_ANY_BATCH[name]:
+        assert in_a_batch == alone
+    else:  # a budget shared with batch-mates moves each request's verified lengths, and with them its draws
+        assert in_a_batch != alone
+
+
+def test_speculate_up_to_makes_a_seeded_sample_depend_on_the_batch(confined_target, drafter, astronaut):
+    """Drafting only while few requests run (vlmspec serve's default for the reference pair) changes the draws."""
+
+    def run(mates: list[dict]) -> list[list[int]]:
+        engine = BatchEngine(confined_target, drafter.proposer(), max_batch_size=8, speculate_up_to=1)
+        mine = [dict(prompt=PROMPT, max_new_tokens=12, temperature=1.0, seed=seed) for seed in range(6)]
+        return [r.token_ids for r in engine.generate_many(mine + mates)[:6]]
+
+    alone = [run_one(confined_target, drafter, seed) for seed in range(6)]
+    assert run(mixed_requests(astronaut, temperature=0.8, seed=99)) != alone
+
+
+def run_one(target, drafter, seed: int) -> list[int]:
+    engine = BatchEngine(target, drafter.proposer(), max_batch_size=8, speculate_up_to=1)
+    return engine.generate_many([dict(prompt=PROMPT, max_new_tokens=12, temperature=1.0, seed=seed)])[0].token_ids
