@@ -300,7 +300,7 @@ def test_module_command_line(tmp_path, capsys):
             main([*argv, "--out", str(tmp_path / "x.html")])
         assert exit_info.value.code == 2
     errors = capsys.readouterr().err
-    assert "not allowed with argument" in errors and "unknown SPS preset 'nope'" in errors and "--confidences" in errors
+    assert "not allowed with argument" in errors and "invalid choice: 'nope'" in errors and "--confidences" in errors
 
 
 def test_template_is_package_data():

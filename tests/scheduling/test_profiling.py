@@ -191,3 +191,45 @@ def test_a_monotone_curve_passes_unchanged_and_silently(recwarn) -> None:
     table = measure_sps(clock.step, 4, meta=META, warmup=0, repeats=3, clock=clock)
     assert [round(1 / s, 6) for s in table.steps_per_s] == [0.01, 0.02, 0.03, 0.04]
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def jagged_saved_table(path: Path) -> Path:
+    """The issue's table: 2 tokens cost 1.56 steps and 8 tokens 1.46 (a busy machine, or an old unfitted table)."""
+    steps = {1: 1.0, 2: 1.56, 4: 1.50, 8: 1.46, 16: 2.5}
+    return SPSTable(tuple(steps), tuple(100.0 / s for s in steps.values()), META).save(path)
+
+
+def test_a_jagged_table_on_disk_is_fitted_when_loaded_and_the_user_is_warned(tmp_path: Path) -> None:
+    from vlmspec.scheduling import build_scheduler, load_sps_table
+
+    path = jagged_saved_table(tmp_path / "sps.json")
+    with pytest.warns(RuntimeWarning, match="monotone fit") as caught:
+        table = load_sps_table(path)
+    assert "2 tokens" in str(caught[0].message) and "8 tokens" in str(caught[0].message)
+    steps = [100.0 / s for s in table.steps_per_s]
+    assert steps == sorted(steps) and steps[1] == pytest.approx(steps[3]) == pytest.approx((1.56 + 1.5 + 1.46) / 3)
+    assert steps[0] == pytest.approx(1.0) and steps[4] == pytest.approx(2.5)
+    raw = load_sps_table(path, fit=False)
+    assert raw.steps_per_s[1] < raw.steps_per_s[3]  # the raw curve, on request
+    with pytest.warns(RuntimeWarning, match="monotone fit"):
+        scheduler = build_scheduler("sps", sps=str(path))
+    assert scheduler.sps_table.steps_per_s == table.steps_per_s  # the schedulers read the fitted curve
+
+
+def test_a_jagged_batch_table_is_fitted_curve_by_curve(tmp_path: Path) -> None:
+    from vlmspec.scheduling import BatchSPSTable, load_sps_table
+
+    jagged = SPSTable((1, 2, 4), (100.0, 60.0, 70.0), META)  # 4 tokens faster than 2
+    smooth = SPSTable((2, 4, 8), (60.0, 50.0, 30.0), META)
+    path = BatchSPSTable((1, 2), (jagged, smooth)).save(tmp_path / "batch.json")
+    with pytest.warns(RuntimeWarning, match="1 requests, 2 tokens"):
+        table = load_sps_table(path)
+    assert table.curves[1] == smooth and table.curves[0].steps_per_s[1] == table.curves[0].steps_per_s[2]
+
+
+def test_a_monotone_table_loads_unchanged_and_silently(tmp_path: Path, recwarn) -> None:
+    from vlmspec.scheduling import load_sps_table
+
+    table = sps_preset("cpu", max_tokens=8)
+    assert load_sps_table(table.save(tmp_path / "sps.json")) == table
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlmspec.scheduling.tables import SPSMeta, SPSTable, is_int
+from vlmspec.scheduling.tables import SPSMeta, SPSTable, is_int, monotone_fit
 
 PRESETS = ("appendix_a", "gpu_like", "cpu")
 
@@ -79,18 +79,6 @@ def measure_sps(
     notes = "step times fitted non-decreasing in tokens; medians (s): " + ", ".join(f"{m:.6g}" for m in medians)
     meta = dataclasses.replace(meta, warmup=warmup, repeats=repeats, notes=notes)
     return SPSTable(tuple(counts), tuple(1.0 / f for f in fitted), meta)
-
-
-def monotone_fit(values: Sequence[float]) -> list[float]:
-    """The least-squares non-decreasing fit of ``values`` (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for value in values:
-        blocks.append([float(value), 1.0])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            mean, count = blocks.pop()
-            blocks[-1][0] = (blocks[-1][0] * blocks[-1][1] + mean * count) / (blocks[-1][1] + count)
-            blocks[-1][1] += count
-    return [mean for mean, count in blocks for _ in range(int(count))]
 
 
 def _step_times(

@@ -31,6 +31,7 @@ import datetime
 import functools
 import json
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,6 +148,30 @@ class SPSTable:
     @functools.cached_property
     def _step_time_array(self) -> np.ndarray:
         return 1.0 / np.asarray(self.steps_per_s, dtype=np.float64)  # [T] seconds per forward
+
+    # -- the monotone fit ----------------------------------------------------------------
+    def fitted(self) -> SPSTable:
+        """This curve with its step times fitted non-decreasing in tokens (itself if they already are).
+
+        A forward over more tokens never costs less; a table where it does (a busy machine,
+        or one written before ``vlmspec profile`` fitted its curves) would make a scheduler
+        verify more tokens for less. ``vlmspec profile`` already fits what it measures.
+        """
+        step_time = [1.0 / s for s in self.steps_per_s]
+        fit = monotone_fit(step_time)
+        if fit == step_time:
+            return self
+        notes = (self.meta.notes + "; " if self.meta.notes else "") + "steps/s fitted non-increasing when loaded"
+        return SPSTable(self.tokens, tuple(1.0 / t for t in fit), dataclasses.replace(self.meta, notes=notes))
+
+    def off_fit(self, tolerance: float = 1e-9) -> list[str]:
+        """The points whose step time lies more than ``tolerance`` (relative) off :meth:`fitted`'s, described."""
+        fit = self.fitted()
+        return [
+            f"{n} tokens: {1e3 / raw:.2f} ms, fit {1e3 / fitted:.2f} ms"
+            for n, raw, fitted in zip(self.tokens, self.steps_per_s, fit.steps_per_s)
+            if abs(1 / raw - 1 / fitted) > tolerance / fitted
+        ]
 
     # -- checks and (de)serialisation ----------------------------------------------------
     def check_matches(self, *, where: str = "SPS table", **expected: Any) -> None:
@@ -288,6 +313,15 @@ class BatchSPSTable:
         )
         return SPSTable(tuple(int(t) for t in tokens), tuple(1.0 / (step_time[0] + step_time[1])), meta)
 
+    def fitted(self) -> BatchSPSTable:
+        """Every curve fitted non-decreasing in step time (:meth:`SPSTable.fitted`)."""
+        curves = tuple(curve.fitted() for curve in self.curves)
+        return self if curves == self.curves else BatchSPSTable(self.requests, curves)
+
+    def off_fit(self, tolerance: float = 1e-9) -> list[str]:
+        """:meth:`SPSTable.off_fit` of every curve, each point prefixed with its number of requests."""
+        return [f"{r} requests, {point}" for r, c in zip(self.requests, self.curves) for point in c.off_fit(tolerance)]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": BATCH_FORMAT,
@@ -315,9 +349,40 @@ class BatchSPSTable:
         return path
 
 
-def load_sps_table(path: str | Path) -> SPSTable | BatchSPSTable:
-    """A table written by ``vlmspec profile``: one curve, or one per measured number of requests."""
-    path = Path(path)
+def load_sps_table(path: str | Path, *, fit: bool = True) -> SPSTable | BatchSPSTable:
+    """A table written by ``vlmspec profile``: one curve, or one per measured number of requests.
+
+    With ``fit`` (the default, what the schedulers read) every curve is fitted non-decreasing
+    in step time, with a RuntimeWarning naming the points the fit moved (``vlmspec profile``
+    writes fitted curves, so a table that needs it is hand-made, old, or edited).
+    """
+    table = _read_sps_table(Path(path))
+    if not fit:
+        return table
+    off = table.off_fit()
+    if off:
+        warnings.warn(
+            f"{path}: a forward over more tokens costs less than over fewer, so the schedulers read the monotone fit "
+            f"of this curve; measure it again on an idle machine with `vlmspec profile`: {'; '.join(off)}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return table.fitted()
+
+
+def monotone_fit(values: Sequence[float]) -> list[float]:
+    """The least-squares non-decreasing fit of ``values`` (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for value in values:
+        blocks.append([float(value), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, count = blocks.pop()
+            blocks[-1][0] = (blocks[-1][0] * blocks[-1][1] + mean * count) / (blocks[-1][1] + count)
+            blocks[-1][1] += count
+    return [mean for mean, count in blocks for _ in range(int(count))]
+
+
+def _read_sps_table(path: Path) -> SPSTable | BatchSPSTable:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
