@@ -24,10 +24,21 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "recipes"))
+
+from prompt_sources import (  # noqa: E402 - the recipes directory is not a package
+    MORE_TEMPLATES,
+    MORE_TOPICS,
+    code_records,
+    maths_records,
+    with_followups,
+)
+
 SHARED_PROMPTS = REPO.parent / "shared" / "data" / "prompts"
 
 # skimage.data pictures that load offline and are not in benchmarks' SKIMAGE_OPEN_QUESTIONS.
@@ -205,13 +216,27 @@ def instruction_records(count: int, rng: random.Random) -> list[dict]:
         else:
             prompt = rng.choice(MATH_TEMPLATES).format(a=rng.randint(3, 99), b=rng.randint(2, 30))
         records.append({"turns": [prompt[0].upper() + prompt[1:]]})
-    return list({r["turns"][0]: r for r in records}.values())  # distinct prompts only
+    return distinct(records)
+
+
+def wide_instruction_records(count: int, rng: random.Random) -> list[dict]:
+    """More instructions: every topic list crossed with every template list (the 10x mix)."""
+    topics, templates = TOPICS + MORE_TOPICS, TEXT_TEMPLATES + MORE_TEMPLATES
+    records = []
+    for _ in range(count):
+        topic, other = rng.sample(topics, 2)
+        prompt = rng.choice(templates).format(topic=topic, other=other)
+        records.append({"turns": [prompt[0].upper() + prompt[1:]]})
+    return distinct(records)
+
+
+def distinct(records: list[dict]) -> list[dict]:
+    """One record per distinct first turn."""
+    return list({r["turns"][0]: r for r in records}.values())
 
 
 def picture_records(out: Path, prompts_per_picture: int, rng: random.Random) -> list[dict]:
     """Each training picture saved as PNG beside the JSONL, with open prompts."""
-    import sys
-
     sys.path.insert(0, str(REPO))
     from benchmarks.common import skimage_image
 
@@ -242,6 +267,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--easy-vqa", type=int, default=600, help="easy-vqa train questions / describe prompts")
     parser.add_argument("--prompts-per-picture", type=int, default=6, help="open prompts per scikit-image picture")
+    parser.add_argument(
+        "--wide-instructions", type=int, default=0, help="more instructions from the wider topic and template lists"
+    )
+    parser.add_argument("--code", type=int, default=0, help="code prompts (standard-library functions, write tasks)")
+    parser.add_argument("--maths", type=int, default=0, help="templated maths word problems and questions")
+    parser.add_argument(
+        "--followup-fraction", type=float, default=0.0, help="share of synthetic text prompts given a second turn"
+    )
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -250,10 +283,16 @@ def main(argv: Sequence[str] | None = None) -> Path:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
+    synthetic = distinct(
+        instruction_records(args.instructions, rng)
+        + wide_instruction_records(args.wide_instructions, rng)
+        + code_records(args.code, rng)
+        + maths_records(args.maths, rng)
+    )
     records = (
         first_turns(args.prompts_dir / "gsm8k.jsonl", args.gsm8k_offset, args.gsm8k)
         + first_turns(args.prompts_dir / "mt-bench.jsonl", args.mt_bench_offset, args.mt_bench)
-        + instruction_records(args.instructions, rng)
+        + with_followups(synthetic, args.followup_fraction, rng)
         + easy_vqa_records(args.easy_vqa, rng)
         + picture_records(args.out, args.prompts_per_picture, rng)
     )

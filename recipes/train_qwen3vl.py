@@ -57,6 +57,7 @@ from vlmspec.training import (
     target_fingerprint,
 )
 from vlmspec.training.calibrate import write_report
+from vlmspec.training.online import OnlineFeatures
 from vlmspec.training.trainer import resolve_mixed_precision
 
 # ----------------------------------------------------------------------------- options
@@ -113,6 +114,13 @@ def _cache_options(group) -> None:
     add("--top-k", type=int, default=20, help="regeneration top-k (0: off)")
     add("--first-turn-only", action="store_true", help="answer only the first user turn of multi-turn prompts")
     add("--cache-dtype", default="bfloat16", choices=("bfloat16", "float16"), help="storage dtype of target states")
+    add(
+        "--cache-contents",
+        default="features",
+        choices=("features", "tokens"),
+        help="features: store the target's states (about 2(m+1)d bytes a token); tokens: store 9 bytes a token, "
+        "regenerate through the target's fast runner and compute the features online while training",
+    )
     add(
         "--regen-batch-size",
         type=int,
@@ -246,13 +254,14 @@ def cache_spec(args: argparse.Namespace, target, config: DSparkConfig) -> CacheS
     )
     return CacheSpec(
         target=target_fingerprint(target),
-        feature_layers=config.target_layer_ids,
+        feature_layers=config.target_layer_ids if args.cache_contents == "features" else (),
         position_rule=config.position_rule,
         dtype=args.cache_dtype,
         generation=generation,
         anchors_per_sequence=args.window_anchors,
         context_window=args.context_window,
         block_size=config.block_size if args.window_anchors else None,
+        contents=args.cache_contents,
     )
 
 
@@ -427,6 +436,11 @@ def main(argv: list[str] | None = None, *, target=None) -> dict[str, Any]:
     report["cache"].update(cache.manifest["counts"])
     if args.cache_only:
         return report
+    # A tokens-only cache gets its features from the copy of the target that regenerated it (same rounding).
+    if cache.spec.stores_features:
+        data = cache
+    else:
+        data = OnlineFeatures(cache, regeneration_target(args, target, accelerator), config.target_layer_ids)
 
     drafter = new_drafter(target, config, args.seed)
     if config.draft_vocab_size is not None:
@@ -436,7 +450,7 @@ def main(argv: list[str] | None = None, *, target=None) -> dict[str, Any]:
         report["untrained"] = untrained.as_dict()
     accelerator.wait_for_everyone()
 
-    trainer = Trainer(drafter.train(), cache, out, training, accelerator)
+    trainer = Trainer(drafter.train(), data, out, training, accelerator)
     summary = trainer.train(resume_from=resume_point(args, out, config))
     report["training"] = vars(summary)
     accelerator.wait_for_everyone()

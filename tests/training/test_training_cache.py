@@ -32,8 +32,9 @@ from vlmspec.training.packing import collate
 
 def assert_same_sequence(a, b) -> None:
     assert a.id == b.id
+    assert a.images == b.images
     for field in fields(a):
-        if field.name != "id":
+        if field.name not in ("id", "images"):
             left, right = getattr(a, field.name), getattr(b, field.name)
             assert left.dtype == right.dtype and torch.equal(left, right), field.name
 

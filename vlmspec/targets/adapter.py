@@ -247,6 +247,34 @@ class QwenVLTarget:
             kwargs["pixel_values"] = kwargs["pixel_values"].to(self.dtype)
         return TargetInputs(input_ids=kwargs["input_ids"], model_kwargs=kwargs, num_images=len(pil_images))
 
+    def sequence_inputs(
+        self,
+        input_ids: torch.Tensor,  # [L] int64: a whole sequence, image placeholder tokens included
+        images: ImageLike | Sequence[ImageLike] | None = None,
+    ) -> TargetInputs:
+        """Inputs for a sequence that is already tokens (a stored prompt and answer), with its images.
+
+        The images go through the same image processor as :meth:`build_inputs`, so a
+        sequence stored as token ids alone gets back exactly its prompt's vision inputs.
+        """
+        ids = input_ids.view(1, -1).to(self.device)
+        kwargs: dict[str, torch.Tensor] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        pil_images = load_images(images)
+        if pil_images:
+            vision = self.processor.image_processor(images=pil_images, return_tensors="pt")
+            kwargs["pixel_values"] = vision["pixel_values"].to(self.device, self.dtype)
+            kwargs["image_grid_thw"] = vision["image_grid_thw"].to(self.device)
+            kwargs["mm_token_type_ids"] = (ids == self.model.config.image_token_id).long()
+            merge = self.processor.image_processor.merge_size**2
+            expected = int(kwargs["image_grid_thw"].prod(-1).sum()) // merge
+            found = int(kwargs["mm_token_type_ids"].sum())
+            if found != expected:
+                raise ValueError(
+                    f"the sequence has {found} image placeholder tokens but its {len(pil_images)} image(s) make "
+                    f"{expected}: pass the images the sequence was built with, in order"
+                )
+        return TargetInputs(input_ids=ids, model_kwargs=kwargs, num_images=len(pil_images))
+
     # ---------------------------------------------------------------- forwards
     def check_feature_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
         """Validate hook layer ids: existing decoder layers, never the final one."""
@@ -347,6 +375,12 @@ class QwenVLTarget:
             )
         features = torch.cat([captured[i][0] for i in layers], dim=-1) if layers else None
         return features, captured["norm"][0], positions_1d
+
+    def text_positions(self, inputs: TargetInputs, position_rule: str = DEFAULT_POSITION_RULE) -> torch.Tensor:
+        """1-D text-stream positions [L] of a whole sequence (the drafter's positions), without a forward."""
+        check_position_rule(position_rule)
+        mrope, _ = self._prompt_positions(inputs)
+        return self._positions_1d(inputs, mrope, position_rule)
 
     # ---------------------------------------------------------------- internals
     @torch.inference_mode()

@@ -50,6 +50,9 @@ CACHE_VERSION = 1
 MANIFEST = "manifest.json"
 INDEX = "index.json"
 STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# What shards hold: the target's features and final-norm states (read back as they were computed), or token
+# ids, masks and positions only (9 bytes a token; training recomputes the features, vlmspec.training.online).
+CONTENTS = ("features", "tokens")
 _ARRAYS = ("input_ids", "loss_mask", "positions", "features", "feature_index", "last_hidden", "hidden_index", "anchors")
 
 
@@ -78,22 +81,32 @@ class CacheSpec:
     """Everything that decides what a cache holds; a cache is reused only under an equal spec."""
 
     target: dict[str, Any]  # target_fingerprint(target)
-    feature_layers: tuple[int, ...]  # hooked target layers, in feature order (never the last)
+    feature_layers: tuple[int, ...]  # hooked target layers, in feature order (never the last); () for tokens
     position_rule: str
     dtype: str = "bfloat16"  # storage dtype of features and hidden states: bfloat16 or float16
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     anchors_per_sequence: int | None = None  # window mode: anchors fixed at cache time (None: full mode)
     context_window: int | None = None  # context tokens kept before each anchor (None: all)
     block_size: int | None = None  # gamma the hidden windows are kept for (window mode only)
+    contents: str = "features"  # "features": the target's states stored; "tokens": ids only, features online
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
         if self.dtype not in STORAGE_DTYPES:
             raise ValueError(f"cache dtype must be one of {', '.join(STORAGE_DTYPES)}, got {self.dtype!r}")
-        if not self.feature_layers:
+        if self.contents == "features" and not self.feature_layers:
             raise ValueError("feature_layers is empty: name the target layers the drafter reads (its target_layer_ids)")
+        if self.contents == "tokens" and self.feature_layers:
+            raise ValueError(
+                "a tokens-only cache stores no features, so it names no feature layers (pass feature_layers=()); "
+                "the drafter's layers are chosen when training reads it (OnlineFeatures)"
+            )
         if self.anchors_per_sequence is not None and (self.anchors_per_sequence < 1 or not self.block_size):
             raise ValueError("window mode needs anchors_per_sequence >= 1 and the drafter's block_size (gamma)")
+        if self.contents not in CONTENTS:
+            raise ValueError(f"cache contents must be one of {', '.join(CONTENTS)}, got {self.contents!r}")
+        if self.contents == "tokens" and self.window_mode:
+            raise ValueError("window mode keeps feature windows; a tokens-only cache stores no features to window")
         if self.context_window is not None and self.context_window < 1:
             raise ValueError(f"context_window must be >= 1 token or None (all), got {self.context_window}")
 
@@ -110,9 +123,13 @@ class CacheSpec:
         data["feature_layers"] = list(self.feature_layers)
         return data
 
+    @property
+    def stores_features(self) -> bool:
+        return self.contents == "features"
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CacheSpec:
-        return cls(**{**data, "generation": GenerationConfig(**data["generation"])})
+        return cls(**{"contents": "features", **data, "generation": GenerationConfig(**data["generation"])})
 
     def differences(self, other: CacheSpec) -> list[str]:
         """Human-readable mismatches between two specs (empty when compatible)."""
@@ -133,6 +150,7 @@ class CacheSpec:
             "anchors_per_sequence",
             "context_window",
             "block_size",
+            "contents",
         )
         for key in settings:
             if mine[key] != theirs[key]:
@@ -156,6 +174,7 @@ class CachedSequence:
     last_hidden: torch.Tensor  # [Lh, d] storage dtype
     hidden_index: torch.Tensor  # [Lh] int64 increasing token indices
     anchors: torch.Tensor  # [A0] int64 fixed anchors (window mode), empty in full mode
+    images: tuple[str, ...] = ()  # the prompt's image files (tokens-only caches: online features need them)
 
     @property
     def length(self) -> int:
@@ -174,8 +193,8 @@ def select_rows(sequence: RegeneratedSequence, spec: CacheSpec) -> CachedSequenc
     """What the cache keeps of a regenerated sequence; None when window mode finds no anchor."""
     length, start = sequence.length, sequence.answer_start
     loss_mask = sequence.loss_mask
-    feature_index = torch.arange(length - 1)
-    hidden_index = torch.arange(start, length - 1)
+    feature_index = torch.arange(length - 1 if spec.stores_features else 0)
+    hidden_index = torch.arange(start, length - 1) if spec.stores_features else torch.zeros(0, dtype=torch.long)
     anchors = torch.zeros(0, dtype=torch.long)
     if spec.window_mode:
         generator = torch.Generator().manual_seed(sequence_seed(spec.generation.seed, sequence.id, -1))
@@ -195,6 +214,7 @@ def select_rows(sequence: RegeneratedSequence, spec: CacheSpec) -> CachedSequenc
         last_hidden=sequence.last_hidden[hidden_index - start].to(dtype),
         hidden_index=hidden_index,
         anchors=anchors,
+        images=sequence.images,
     )
 
 
@@ -276,7 +296,7 @@ class ShardWriter:
                 "hidden": s.last_hidden.shape[0],
                 "anchors": s.anchors.numel(),
             }
-            entry = {"id": s.id, "bytes": s.num_bytes}
+            entry = {"id": s.id, "bytes": s.num_bytes, **({"images": list(s.images)} if s.images else {})}
             for key, size in sizes.items():
                 entry[key] = [offsets[key], offsets[key] + size]
                 offsets[key] += size
@@ -343,6 +363,7 @@ class TargetCache:
             last_hidden=take("last_hidden", "hidden"),
             hidden_index=take("hidden_index", "hidden"),
             anchors=take("anchors", "anchors"),
+            images=tuple(entry.get("images", ())),
         )
 
     def _shard_arrays(self, shard: Path) -> dict[str, np.ndarray]:

@@ -29,7 +29,7 @@ from vlmspec.training.cache import (
     write_manifest,
 )
 from vlmspec.training.prompts import PromptItem
-from vlmspec.training.regenerate import RegeneratedSequence, regenerate_items
+from vlmspec.training.regenerate import RegeneratedSequence, regenerate_items, regenerate_tokens
 
 
 @dataclass
@@ -64,8 +64,12 @@ def build_cache(
     most ``shard_size`` prompts of work per process are redone). ``open_cache_dir`` must
     have been called (by the main process) before. ``on_item(i)`` runs after each item.
 
-    ``batch_size`` prompts are decoded together (``regenerate_items``); prompts of similar
-    size are batched together so that little of a batch is padding.
+    ``batch_size`` prompts are decoded together; prompts of similar size are batched
+    together so that little of a batch is padding. A tokens-only cache
+    (``spec.contents == "tokens"``) is answered by the target's runner with continuous
+    batching (:func:`regenerate_tokens`, up to ``batch_size`` requests at a time, a
+    shard's prompts per call); a cache with features by left-padded batches that capture
+    the features on the way (:func:`regenerate_items`).
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -80,10 +84,11 @@ def build_cache(
     bar = tqdm(
         total=len(todo), desc=f"target cache [{rank}]", unit="prompt", disable=not show_progress, dynamic_ncols=True
     )
-    for first in range(0, len(todo), batch_size):
-        batch = todo[first : first + batch_size]
+    chunk = batch_size if spec.stores_features else max(batch_size, shard_size)
+    for first in range(0, len(todo), chunk):
+        batch = todo[first : first + chunk]
         by_item: dict[str, list[RegeneratedSequence]] = {}
-        for sequence in regenerate_items(target, batch, spec.generation, spec.feature_layers, spec.position_rule):
+        for sequence in _regenerate(target, batch, spec, batch_size):
             by_item.setdefault(sequence.id.rsplit("#", 1)[0], []).append(sequence)
         for number, item in enumerate(batch, start=first):
             for sequence in by_item.get(item.id, []):
@@ -105,6 +110,14 @@ def build_cache(
     _flush(writer, empty)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _regenerate(
+    target: QwenVLTarget, items: Sequence[PromptItem], spec: CacheSpec, batch_size: int
+) -> list[RegeneratedSequence]:
+    if spec.stores_features:
+        return regenerate_items(target, items, spec.generation, spec.feature_layers, spec.position_rule)
+    return regenerate_tokens(target, items, spec.generation, spec.position_rule, max_batch_size=batch_size)
 
 
 def _size_hint(item: PromptItem) -> tuple[int, int]:
@@ -198,7 +211,9 @@ def estimate_cache_size(
     extra = sum(t * (answer + 32) for item in items for t in range(item.num_turns if spec.generation.all_turns else 1))
     tokens = int(turns * (prompt + answer) + extra)
     feature_width = len(spec.feature_layers) * target.hidden_size
-    per_token = 2 * feature_width + 2 * target.hidden_size + 4 + 1 + 4 + 4 + 4
+    ids_mask_positions = 4 + 1 + 4
+    stored_states = 2 * feature_width + 2 * target.hidden_size + 4 + 4  # and their row indices
+    per_token = ids_mask_positions + (stored_states if spec.stores_features else 0)
     stored = tokens * per_token
     if spec.window_mode and spec.context_window is not None:
         rows = spec.anchors_per_sequence * (spec.context_window + spec.block_size)

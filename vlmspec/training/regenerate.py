@@ -22,8 +22,10 @@ reproducible and an interrupted cache resumes with identical sequences.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -68,6 +70,7 @@ class RegeneratedSequence:
     positions: torch.Tensor  # [L] int64 1-D text-stream positions (the drafter's positions)
     features: torch.Tensor  # [L - 1, m * d] hooked target features of tokens 0 .. L-2 (target dtype)
     last_hidden: torch.Tensor  # [L - 1 - p, d] final-norm hidden of tokens p .. L-2 (target dtype)
+    images: tuple[str, ...] = ()  # image files of the prompt, kept by tokens-only caches
 
     @property
     def length(self) -> int:
@@ -104,7 +107,7 @@ def regenerate_items(
     feature_layers: Sequence[int],
     position_rule: str,
 ) -> list[RegeneratedSequence]:
-    """Every answered turn of every item, each turn decoded as one left-padded batch.
+    """Every answered turn of every item with the target's features, each turn decoded as one left-padded batch.
 
     A batch makes several times more tokens per second than one request at a time on
     a CPU (per-forward overhead dominates a small target). Each row draws from its own
@@ -113,6 +116,77 @@ def regenerate_items(
     """
     if not feature_layers:
         raise ValueError("feature_layers is empty: name the target decoder layers the drafter reads, e.g. (1, 2)")
+
+    def answer(active: list[int], conversations: list[list[dict]], turn: int) -> list[RegeneratedSequence]:
+        batch = [target.build_inputs(items[i].images or None, messages=conversations[i]) for i in active]
+        ids = [f"{items[i].id}#{turn}" for i in active]
+        generators = [torch.Generator().manual_seed(sequence_seed(config.seed, items[i].id, turn)) for i in active]
+        return decode_answers(target, batch, ids, config, feature_layers, position_rule, generators)
+
+    return _answer_turns(target, items, config, answer)
+
+
+def regenerate_tokens(
+    target: QwenVLTarget,
+    items: Sequence[PromptItem],
+    config: GenerationConfig,
+    position_rule: str,
+    *,
+    max_batch_size: int = 48,
+) -> list[RegeneratedSequence]:
+    """Every answered turn of every item as tokens only, decoded by the target's runner.
+
+    The answers come from :class:`~vlmspec.serving.BatchEngine` with no drafter: the
+    packed runner with continuous batching, the same forward that serves requests (about
+    twice the tokens per second of the left-padded batches of :func:`regenerate_items`
+    on the reference target). Nothing but ids and positions is kept; training computes
+    the target's features from the ids (:class:`vlmspec.training.online.OnlineFeatures`).
+    Each request draws from its own generator seeded by (seed, prompt id, turn), so
+    an answer does not depend on its batch-mates.
+    """
+    from vlmspec.serving.engine import BatchEngine  # the serving host; training never imports engine.py
+
+    engine = BatchEngine(target, max_batch_size=max_batch_size)
+    width = 0  # tokens-only sequences store no feature rows
+
+    def answer(active: list[int], conversations: list[list[dict]], turn: int) -> list[RegeneratedSequence]:
+        requests = [
+            dict(
+                images=items[i].images or None,
+                messages=conversations[i],
+                max_new_tokens=config.max_new_tokens,
+                temperature=config.temperature,
+                top_k=config.top_k,
+                top_p=config.top_p,
+                seed=sequence_seed(config.seed, items[i].id, turn),
+            )
+            for i in active
+        ]
+        sequences = []
+        for i, result in zip(active, engine.generate_many(requests), strict=True):
+            if result.finish_reason == "error":
+                raise RuntimeError(f"regenerating prompt {items[i].id!r} failed: {result.error}") from result.error
+            prompt = target.build_inputs(items[i].images or None, messages=conversations[i])
+            ids = torch.cat((prompt.input_ids[0].cpu(), torch.tensor(result.token_ids, dtype=torch.long)))
+            full = target.sequence_inputs(ids, items[i].images or None)
+            sequences.append(
+                RegeneratedSequence(
+                    id=f"{items[i].id}#{turn}",
+                    input_ids=ids,
+                    answer_start=prompt.length,
+                    positions=target.text_positions(full, position_rule).cpu().long(),
+                    features=torch.zeros(ids.shape[0] - 1, width, dtype=target.dtype),
+                    last_hidden=torch.zeros(0, target.hidden_size, dtype=target.dtype),
+                    images=_image_paths(items[i]),
+                )
+            )
+        return sequences
+
+    return _answer_turns(target, items, config, answer)
+
+
+def _answer_turns(target: QwenVLTarget, items: Sequence[PromptItem], config: GenerationConfig, answer):
+    """Answer turn 1 of every item, then turn 2 after the target's own first answer, and so on."""
     conversations = [[dict(m) for m in item.messages] for item in items]
     answered: list[list[RegeneratedSequence]] = [[] for _ in items]
     turns = max(item.num_turns if config.all_turns else 1 for item in items)
@@ -120,18 +194,27 @@ def regenerate_items(
         active = [i for i, item in enumerate(items) if turn < (item.num_turns if config.all_turns else 1)]
         for i in active if turn else ():  # the next user turn follows the target's own previous answer
             previous = answered[i][-1]
-            answer = target.tokenizer.decode(previous.input_ids[previous.answer_start :], skip_special_tokens=True)
+            text = target.tokenizer.decode(previous.input_ids[previous.answer_start :], skip_special_tokens=True)
             conversations[i] += [
-                {"role": "assistant", "content": answer},
+                {"role": "assistant", "content": text},
                 {"role": "user", "content": items[i].followups[turn - 1]},
             ]
-        batch = [target.build_inputs(items[i].images or None, messages=conversations[i]) for i in active]
-        ids = [f"{items[i].id}#{turn}" for i in active]
-        generators = [torch.Generator().manual_seed(sequence_seed(config.seed, items[i].id, turn)) for i in active]
-        sequences = decode_answers(target, batch, ids, config, feature_layers, position_rule, generators)
-        for i, sequence in zip(active, sequences, strict=True):
+        for i, sequence in zip(active, answer(active, conversations, turn), strict=True):
             answered[i].append(sequence)
     return [sequence for item_sequences in answered for sequence in item_sequences]
+
+
+def _image_paths(item: PromptItem) -> tuple[str, ...]:
+    """The item's images as paths: a tokens-only sequence must find its images again when training reads it."""
+    paths = []
+    for image in item.images:
+        if not isinstance(image, (str, os.PathLike)):
+            raise ValueError(
+                f"prompt {item.id!r} has an in-memory image; a tokens-only cache (online features) needs image files. "
+                "Save the images and list their paths in the prompt file, or build a cache with stored features."
+            )
+        paths.append(str(Path(image).resolve()))
+    return tuple(paths)
 
 
 @torch.no_grad()

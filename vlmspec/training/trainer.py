@@ -248,6 +248,8 @@ class Trainer:
             self.load_checkpoint(resume_from)
         accelerator, config = self.accelerator, self.config
         stop = config.steps if until is None else min(until, config.steps)
+        if accelerator.is_main_process:
+            print(self.where_it_stands(resume_from), flush=True)
         bar = tqdm(
             total=config.steps,
             initial=self.state.step,
@@ -286,6 +288,17 @@ class Trainer:
             last_loss=self._losses[-1] if self._losses else None,
             final_eval=final_eval,
             drafter_dir=str(drafter_dir),
+        )
+
+    def where_it_stands(self, resumed_from: str | Path | None = None) -> str:
+        """One line for the log: resumed or fresh, steps done and left, blocks seen, epoch."""
+        state, steps = self.state, self.config.steps
+        origin = f"resumed from {resumed_from}" if resumed_from is not None else "starting fresh"
+        seconds = state.train_seconds / max(state.step, 1) * (steps - state.step) if state.step else None
+        left = f", about {seconds / 3600:.1f} h of training left at this pace" if seconds is not None else ""
+        return (
+            f"train drafter: {origin}; step {state.step} of {steps} ({steps - state.step} left), "
+            f"{state.blocks:,} blocks seen, epoch {state.epoch} of {len(self.train_dataset):,} sequences{left}"
         )
 
     def _epoch_batches(self):
