@@ -109,6 +109,6 @@ def test_bfloat16_target_runs(make_target):
 def test_a_target_that_is_not_there_gets_the_closest_name_and_every_choice(spec, fix):
     from vlmspec.loading import load_target
 
-    with pytest.raises(FileNotFoundError, match="no model directory") as error:
+    with pytest.raises(FileNotFoundError, match="there is no directory") as error:
         load_target(spec)
     assert fix in str(error.value) and "'reference' (the bundled reference target)" in str(error.value)

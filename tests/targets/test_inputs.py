@@ -44,3 +44,16 @@ def test_prompt_validation():
 def test_grey_image_is_converted():
     grey = Image.fromarray(np.zeros((8, 8), dtype=np.uint8), mode="L")
     assert load_image(grey).mode == "RGB"
+
+
+def test_a_grey_array_is_accepted_as_the_readme_documents():
+    """README: numpy arrays H x W x 3, H x W x 4 or H x W grey (uint8, or floats in [0, 1])."""
+    grey = np.arange(12, dtype=np.uint8).reshape(3, 4) * 20
+    image = load_image(grey)
+    assert image.mode == "RGB" and image.size == (4, 3)
+    assert (np.asarray(image) == grey[..., None]).all()  # the grey level in every channel
+    assert np.asarray(load_image(np.full((3, 4), 0.5))).max() == 128
+    with pytest.raises(ValueError, match="H x W x 3 \\(or 4, or H x W grey\\), got shape \\(3, 4, 2\\)"):
+        load_image(np.zeros((3, 4, 2), dtype=np.uint8))
+    with pytest.raises(ValueError, match="got shape \\(4,\\)"):
+        load_image(np.zeros(4, dtype=np.uint8))
