@@ -568,3 +568,17 @@ def test_padded_contexts_are_extended_while_the_batch_stays_and_rebuilt_when_it_
             assert torch.equal(block.tokens[i], single.tokens[0])
             torch.testing.assert_close(block.confidences[i], single.confidences[0], atol=1e-5, rtol=1e-5)
             taken[r] += 1
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_new_drafters_take_the_video_placeholder_as_mask(make_target, family):
+    """No spare row in a tiny target: for_target names the video placeholder, whose frozen row is the mask."""
+    target = make_target(family)
+    config = DSparkConfig.for_target(target, head_rank=4)  # the target's width: block inputs are embedding rows
+    assert config.mask_token_id == target.model.config.video_token_id == target.unused_token_ids[-1]
+    drafter = DSparkDrafter.from_target(target, config)
+    assert "mask_embedding" not in drafter.state_dict()
+    mask_row = target.input_embeddings.weight[config.mask_token_id].float()
+    torch.testing.assert_close(drafter.block_inputs(torch.tensor([1]))[0, 1].float(), mask_row)
+    with pytest.raises(ValueError, match="unused_token_ids start"):
+        DSparkDrafter.from_target(target, DSparkConfig.for_target(target, head_rank=4, mask_token_id=5))

@@ -206,6 +206,18 @@ class QwenVLTarget:
         return float(self._text_config.rope_parameters.get("rope_theta", 10000.0))
 
     @property
+    def unused_token_ids(self) -> tuple[int, ...]:
+        """Vocabulary ids no prompt or answer here contains: rows past the tokenizer, then the video placeholder.
+
+        vlmspec feeds images, never videos, so the video placeholder's embedding row is free
+        for a drafter's MASK input even where the vocabulary has no spare row (tiny and
+        reference targets), and an exported drafter names it as its ``mask_token_id``.
+        """
+        spare = tuple(range(len(self.tokenizer), self.vocab_size))
+        video = getattr(self.model.config, "video_token_id", None)
+        return spare + ((video,) if video is not None and video < self.vocab_size else ())
+
+    @property
     def max_context(self) -> int:
         return self._text_config.max_position_embeddings
 

@@ -5,13 +5,15 @@ head) and the target it is tied to (hidden size, vocabulary, hooked layers). The
 embedding and LM head are not part of the drafter: they are re-tied at load time, and
 :meth:`DSparkConfig.check_target` refuses a target they do not fit.
 
-Mask token. The block input is ``[anchor, MASK x (gamma - 1)]``. With ``mask_token_id=None``
-(the default) MASK is a learned vector owned by the drafter, not a vocabulary row: tiny
-Qwen-VL configs have an LM head with exactly ``len(tokenizer)`` rows, so no spare id
-exists, and a learned vector trains while a frozen vocabulary row cannot. A target whose
-vocabulary has padding rows past the tokenizer (real Qwen2.5-VL: 151,936 rows for 151,669
-used ids) may instead name one of those ids, DFlash-style: the id must then lie in
-``[len(tokenizer), vocab_size)``, so that the target can never produce it.
+Mask token. The block input is ``[anchor, MASK x (gamma - 1)]``. MASK is either a row of the
+target's embedding named by ``mask_token_id`` (DFlash-style, what vLLM and SGLang load), or,
+with ``mask_token_id=None``, a learned vector owned by the drafter (which no exported format
+can carry). The id must be one no sequence contains: a padding row past the tokenizer (real
+Qwen2.5-VL: 151,936 rows for 151,669 used ids) or, where there is none (tiny and reference
+targets have exactly ``len(tokenizer)`` rows), the target's video placeholder, since vlmspec
+never feeds videos (the target's ``unused_token_ids``). :meth:`DSparkConfig.for_target`
+picks the first such id, so new drafters export exactly; ``mask_token_id=None`` still
+builds the learned vector.
 """
 
 from __future__ import annotations
@@ -149,14 +151,16 @@ class DSparkConfig:
                 f"use ids in [0, {last - 1}]. The last layer ({last}) is excluded because transformers "
                 "reports it after the final norm, unlike the raw outputs hooked from the other layers"
             )
-        if self.mask_token_id is not None:
+        if self.mask_token_id is not None and self.mask_token_id not in getattr(target, "unused_token_ids", ()):
             used = len(target.tokenizer)
             if not used <= self.mask_token_id < target.vocab_size:
                 free = f"ids {used}..{target.vocab_size - 1} are free" if used < target.vocab_size else "no id is free"
+                unused = tuple(getattr(target, "unused_token_ids", ()))[:4]
+                spare = f"; the target's unused_token_ids start {list(unused)}" if unused else ""
                 raise ValueError(
                     f"mask_token_id {self.mask_token_id} is not a reserved id: the tokenizer uses ids below {used} "
-                    f"and the vocabulary has {target.vocab_size} rows ({free}). Pick a free id, or set "
-                    "mask_token_id=None to use a learned mask vector"
+                    f"and the vocabulary has {target.vocab_size} rows ({free}{spare}). Pick one of those, leave "
+                    "mask_token_id out (DSparkConfig.for_target picks one), or set it to None for a learned mask vector"
                 )
 
     # ------------------------------------------------------------------ building
@@ -166,7 +170,8 @@ class DSparkConfig:
 
         Defaults: the drafter's hidden size equals the target's; 2 layers; head_dim 128
         (64 below hidden 1024, 16 below 256); up to 5 hooked layers evenly spaced over
-        ``[1, num_layers - 2]`` (DeepSpec uses [1, 9, 17, 25, 33] for 36 layers).
+        ``[1, num_layers - 2]`` (DeepSpec uses [1, 9, 17, 25, 33] for 36 layers); MASK is the
+        first of the target's ``unused_token_ids`` (a learned vector when it names none).
         """
         hidden = overrides.get("hidden_size", target.hidden_size)
         head_dim = overrides.get("head_dim", 128 if hidden >= 1024 else 64 if hidden >= 256 else 16)
@@ -181,6 +186,7 @@ class DSparkConfig:
             num_kv_heads=max(heads // 2, 1) if heads % 2 == 0 else heads,
             intermediate_size=3 * hidden,
             target_name=str(getattr(target, "name", "")),
+            mask_token_id=next(iter(getattr(target, "unused_token_ids", ())), None),
         )
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
