@@ -9,11 +9,13 @@ leak between them), the variants in turn:
 * ``online``: a tokens-only cache (9 B a token) whose features the bfloat16 copy of the
   target computes while training reads it (:class:`vlmspec.training.online.OnlineFeatures`);
 * ``fp32`` or ``bf16`` autocast for the drafter's step;
-* 1 or 2 torch threads.
+* 1 or 2 torch threads;
+* anchor blocks per sequence (and so per online forward and per optimizer step).
 
 Training time includes loading batches (so the online forward is counted) and excludes
-set-up. The cache may be a tokens-only cache still being built: its committed shards are
-read, and the first ``--sequences`` of them are copied into the two caches compared.
+set-up. The source cache may be of either kind, and still being built: its committed
+shards are read, and the first ``--sequences`` of them are copied into the two caches
+compared (the stored features computed as :class:`OnlineFeatures` computes them).
 
     python -m benchmarks.training_throughput --cache ~/.cache/vlmspec/runs/reference-10x/cache \
         --out runs/training_throughput
@@ -22,6 +24,7 @@ read, and the first ``--sequences`` of them are copied into the two caches compa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -32,19 +35,31 @@ import torch
 
 from benchmarks.common import environment_info, log, markdown_table, prepare_out_dir, write_json, write_text
 
-VARIANTS = ("stored-fp32-t1", "online-fp32-t1", "stored-bf16-t1", "online-bf16-t1", "stored-fp32-t2", "online-fp32-t2")
+VARIANTS = (
+    "stored-fp32-t1",
+    "online-fp32-t1",
+    "stored-bf16-t1",
+    "online-bf16-t1",
+    "stored-bf16-t1-a64",
+    "online-bf16-t1-a64",
+    "online-bf16-t1-a128",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--cache", type=Path, required=True, help="a tokens-only cache of the reference target")
+    parser.add_argument("--cache", type=Path, required=True, help="a cache of the reference target (either kind)")
     parser.add_argument("--out", type=Path, default=Path("runs/training_throughput"))
     parser.add_argument("--sequences", type=int, default=40, help="sequences copied from the cache")
     parser.add_argument("--steps", type=int, default=24, help="optimizer steps per variant (batch 1)")
     parser.add_argument("--num-anchors", type=int, default=32, help="anchor blocks per sequence")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="STORAGE-PRECISION-tTHREADS, comma-separated")
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="STORAGE-PRECISION-tTHREADS[-aANCHORS] (anchors default: --num-anchors), comma-separated",
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -61,27 +76,45 @@ def reference_pair(dtype: str = "float32"):
 
 def prepare_caches(source: Path, out: Path, sequences: int) -> dict[str, Path]:
     """The first ``sequences`` of ``source`` as a tokens-only cache and as a cache with the features stored."""
-    from vlmspec.training.cache import ShardWriter, TargetCache, open_cache_dir
-    from vlmspec.training.cache_build import finalize_cache
+    from vlmspec.training.cache import TargetCache, open_cache_dir
     from vlmspec.training.online import OnlineFeatures
 
     caches = {"online": out / "tokens-cache", "stored": out / "stored-cache"}
     if all((path / "index.json").is_file() for path in caches.values()):
         return caches
-    tokens = TargetCache(source, require_complete=False)
-    if len(tokens) < sequences:
-        raise ValueError(f"{source} has {len(tokens)} committed sequences; pass --sequences {len(tokens)} or fewer")
+    source_cache = TargetCache(source, require_complete=False)
+    if len(source_cache) < sequences:
+        raise ValueError(f"{source} has {len(source_cache)} committed sequences; pass --sequences {len(source_cache)}")
+    open_cache_dir(caches["online"], dataclasses.replace(source_cache.spec, feature_layers=(), contents="tokens"))
+    write_sequences(caches["online"], [tokens_only(source_cache[i]) for i in range(sequences)])
     target, config = reference_pair("bfloat16")  # the copy that regenerates computes the stored features too
-    online = OnlineFeatures(tokens, target, config.target_layer_ids)
-    specs = {"online": tokens.spec, "stored": online.spec}
-    for name, path in caches.items():
-        open_cache_dir(path, specs[name])
-        writer = ShardWriter(path, "r0")
-        for index in range(sequences):
-            writer.add(online[index] if name == "stored" else tokens[index])
-        writer.flush()
-        finalize_cache(path)
+    online = OnlineFeatures(TargetCache(caches["online"]), target, config.target_layer_ids)
+    open_cache_dir(caches["stored"], online.spec)
+    write_sequences(caches["stored"], [online[i] for i in range(sequences)])
     return caches
+
+
+def tokens_only(sequence):
+    """A cached sequence without its stored states (what a tokens-only cache holds)."""
+    empty = torch.zeros(0, dtype=torch.long)
+    return dataclasses.replace(
+        sequence,
+        features=sequence.features[:0, :0],
+        feature_index=empty,
+        last_hidden=sequence.last_hidden[:0],
+        hidden_index=empty,
+    )
+
+
+def write_sequences(directory: Path, sequences: list) -> None:
+    from vlmspec.training.cache import ShardWriter
+    from vlmspec.training.cache_build import finalize_cache
+
+    writer = ShardWriter(directory, "r0")
+    for sequence in sequences:
+        writer.add(sequence)
+    writer.flush()
+    finalize_cache(directory)
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -91,7 +124,8 @@ def run_worker(args: argparse.Namespace) -> None:
     from vlmspec.training.online import OnlineFeatures
     from vlmspec.training.vocabulary import answer_token_counts, draft_vocabulary
 
-    storage, precision, threads = args.worker.split("-")
+    storage, precision, threads, *anchors = args.worker.split("-")
+    num_anchors = int(anchors[0][1:]) if anchors else args.num_anchors
     torch.set_num_threads(int(threads[1:]))
     caches = prepare_caches(args.cache, args.out, args.sequences)
     target, config = reference_pair()
@@ -106,7 +140,7 @@ def run_worker(args: argparse.Namespace) -> None:
     training = TrainConfig(
         steps=args.steps,
         batch_size=1,
-        num_anchors=args.num_anchors,
+        num_anchors=num_anchors,
         lr=1e-3,
         chunk_tokens=512,
         eval_every=0,
