@@ -125,7 +125,7 @@ def _cache_options(group) -> None:
         "--regen-batch-size",
         type=int,
         default=16,
-        help="prompts the target answers together (left-padded batches; several times faster than 1 on a CPU)",
+        help="requests the target's runner answers together (continuous batching; several times faster than 1)",
     )
     add(
         "--regen-dtype",

@@ -123,12 +123,26 @@ def _image_processor_class():
     return getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
 
 
-def tiny_config(family: str, *, hidden_size: int = 64, num_layers: int = 4, vocab_size: int = QWEN_VOCAB_SIZE):
-    """A random-init config of the real ``family`` architecture, small enough for CPU tests."""
+def tiny_config(
+    family: str,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    vocab_size: int = QWEN_VOCAB_SIZE,
+    num_heads: int | None = None,
+):
+    """A random-init config of the real ``family`` architecture, small enough for CPU tests.
+
+    ``num_heads`` defaults to ``hidden_size // 16`` (head dim 16). Engines with fixed kernel
+    shapes need more per head: vLLM's CPU attention refuses head dim 16 and runs 64, so
+    ``hidden_size=256, num_heads=4`` makes a target it serves (see :func:`vllm_sized_overrides`).
+    """
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
 
     _check_family(family)
-    heads = max(hidden_size // 16, 2)
+    heads = num_heads or max(hidden_size // 16, 2)
+    if hidden_size % heads:
+        raise ValueError(f"hidden_size {hidden_size} is not a multiple of num_heads {heads}; pick a divisor")
     head_dim = hidden_size // heads
     # mrope_section splits head_dim // 2 rotary frequencies among (t, h, w).
     half = head_dim // 2
@@ -192,6 +206,11 @@ def tiny_config(family: str, *, hidden_size: int = 64, num_layers: int = 4, voca
         num_position_embeddings=64,
     )
     return Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
+
+
+def vllm_sized_overrides() -> dict[str, int]:
+    """``tiny_target`` overrides for a target vLLM's CPU backend serves: hidden 256, head dim 64, 4 layers."""
+    return {"hidden_size": 256, "num_heads": 4, "num_layers": 4}
 
 
 def tiny_model(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **config_overrides):

@@ -29,7 +29,7 @@ from vlmspec.training.cache import (
     write_manifest,
 )
 from vlmspec.training.prompts import PromptItem
-from vlmspec.training.regenerate import RegeneratedSequence, regenerate_items, regenerate_tokens
+from vlmspec.training.regenerate import RegeneratedSequence, regenerate_items
 
 
 @dataclass
@@ -64,12 +64,10 @@ def build_cache(
     most ``shard_size`` prompts of work per process are redone). ``open_cache_dir`` must
     have been called (by the main process) before. ``on_item(i)`` runs after each item.
 
-    ``batch_size`` prompts are decoded together; prompts of similar size are batched
-    together so that little of a batch is padding. A tokens-only cache
-    (``spec.contents == "tokens"``) is answered by the target's runner with continuous
-    batching (:func:`regenerate_tokens`, up to ``batch_size`` requests at a time, a
-    shard's prompts per call); a cache with features by left-padded batches that capture
-    the features on the way (:func:`regenerate_items`).
+    The target's runner answers up to ``batch_size`` requests at a time, with continuous
+    batching, a shard's prompts per call (:func:`regenerate_items`); prompts of similar
+    size go together. A cache that stores features gets them from one forward over each
+    finished sequence.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -84,11 +82,14 @@ def build_cache(
     bar = tqdm(
         total=len(todo), desc=f"target cache [{rank}]", unit="prompt", disable=not show_progress, dynamic_ncols=True
     )
-    chunk = batch_size if spec.stores_features else max(batch_size, shard_size)
+    chunk = max(batch_size, shard_size)
     for first in range(0, len(todo), chunk):
         batch = todo[first : first + chunk]
         by_item: dict[str, list[RegeneratedSequence]] = {}
-        for sequence in _regenerate(target, batch, spec, batch_size):
+        regenerated = regenerate_items(
+            target, batch, spec.generation, spec.feature_layers, spec.position_rule, max_batch_size=batch_size
+        )
+        for sequence in regenerated:
             by_item.setdefault(sequence.id.rsplit("#", 1)[0], []).append(sequence)
         for number, item in enumerate(batch, start=first):
             for sequence in by_item.get(item.id, []):
@@ -110,14 +111,6 @@ def build_cache(
     _flush(writer, empty)
     report.seconds = time.perf_counter() - started
     return report
-
-
-def _regenerate(
-    target: QwenVLTarget, items: Sequence[PromptItem], spec: CacheSpec, batch_size: int
-) -> list[RegeneratedSequence]:
-    if spec.stores_features:
-        return regenerate_items(target, items, spec.generation, spec.feature_layers, spec.position_rule)
-    return regenerate_tokens(target, items, spec.generation, spec.position_rule, max_batch_size=batch_size)
 
 
 def _size_hint(item: PromptItem) -> tuple[int, int]:

@@ -23,6 +23,7 @@ import torch
 
 from vlmspec.targets.adapter import QwenVLTarget
 from vlmspec.training.cache import CachedSequence, TargetCache, target_fingerprint
+from vlmspec.training.regenerate import target_states
 
 
 class OnlineFeatures:
@@ -67,20 +68,18 @@ class OnlineFeatures:
     def num_bytes(self, index: int) -> int:
         return self.cache.num_bytes(index)
 
-    @torch.no_grad()
     def __getitem__(self, index: int) -> CachedSequence:
         sequence = self.cache[index]
-        inputs = self.target.sequence_inputs(sequence.input_ids, sequence.images)
-        features, last_hidden, _ = self.target.forward_sequence(
-            inputs, self.spec.feature_layers, self.spec.position_rule
-        )
         length, start = sequence.length, answer_start(sequence)
-        dtype = self.spec.storage_dtype
+        spec = self.spec
+        features, last_hidden, _ = target_states(
+            self.target, sequence.input_ids, sequence.images, start, spec.feature_layers, spec.position_rule
+        )
         return dataclasses.replace(
             sequence,
-            features=features[: length - 1].to("cpu", dtype),  # [L - 1, m * d]
+            features=features.to(spec.storage_dtype),  # [L - 1, m * d]
             feature_index=torch.arange(length - 1),
-            last_hidden=last_hidden[start : length - 1].to("cpu", dtype),  # [L - 1 - p, d]
+            last_hidden=last_hidden.to(spec.storage_dtype),  # [L - 1 - p, d]
             hidden_index=torch.arange(start, length - 1),
         )
 
