@@ -21,6 +21,11 @@ that shape the set-up, each seen on this project's CPU machines:
 The worker gets the prompts as token ids (vlmspec's own chat template and processor
 made them), so every engine answers exactly the same inputs.
 
+Beyond plain and n-gram, ``run_vllm(..., speculative={...})`` passes any speculative config
+(``{"method": "dflash", "model": DIR, ...}``; ``benchmarks/vllm_export.py`` runs exported
+drafters this way). vLLM's own counters (``llm.get_metrics()``) are read after the warm-up
+request and again at the end, so the acceptance reported covers the timed prompts only.
+
 Run as a script inside the vLLM venv it is the worker: ``python vllm_peer.py JOB.json OUT.json``.
 """
 
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -87,29 +93,50 @@ def vllm_environment(threads: int) -> dict[str, str]:
     return env
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
 def run_vllm(
     model_dir: str | os.PathLike,
     prompts: list[list[int]],
     *,
     max_new_tokens: int,
     dtype: str,
-    ngram: bool,
+    ngram: bool = False,
     threads: int,
     work_dir: Path,
+    speculative: dict | None = None,
+    name: str | None = None,
+    enforce_eager: bool = False,
     venv: Path = DEFAULT_VENV,
     timeout_s: int = 1800,
 ) -> dict:
-    """Greedy answers of vLLM (plain, or with its n-gram speculation) to ``prompts``, one at a time.
+    """Greedy answers of vLLM (plain, n-gram, or any ``speculative`` config) to ``prompts``, one at a time.
 
+    ``speculative`` is vLLM's ``speculative_config`` dict; ``ngram=True`` is shorthand for
+    :data:`NGRAM`. ``enforce_eager`` skips vLLM's ``torch.compile`` warm-up (about a minute).
     Returns ``{"tokens": [[...]], "seconds": [...], "acceptance": {...} or None, "config": {...}}``.
+    Raises ``RuntimeError`` with vLLM's own error line when it fails (e.g. a refused config).
     """
+    if ngram and speculative is not None:
+        raise ValueError("pass either ngram=True or a speculative config, not both")
+    speculative = NGRAM if ngram else speculative
     python = ensure_vllm_venv(Path(venv).resolve())
     work_dir = Path(work_dir).resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
-    name = f"vllm-{dtype}-{'ngram' if ngram else 'plain'}"
+    name = name or f"vllm-{dtype}-{speculative['method'] if speculative else 'plain'}"
     job, out = work_dir / f"{name}-job.json", work_dir / f"{name}.json"
     job.write_text(
-        json.dumps(dict(model=str(model_dir), prompts=prompts, max_new_tokens=max_new_tokens, dtype=dtype, ngram=ngram))
+        json.dumps(
+            dict(
+                model=str(model_dir),
+                prompts=prompts,
+                max_new_tokens=max_new_tokens,
+                dtype=dtype,
+                speculative=speculative,
+                enforce_eager=enforce_eager,
+            )
+        )
     )
     log = work_dir / f"{name}.log"
     with open(log, "w") as handle:
@@ -122,8 +149,24 @@ def run_vllm(
             cwd=work_dir,
         )
     if done.returncode != 0 or not out.exists():
-        raise RuntimeError(f"vLLM ({name}) failed with exit code {done.returncode}; its log is {log}")
+        raise RuntimeError(
+            f"vLLM ({name}) failed with exit code {done.returncode}: {vllm_error(log) or 'no error line'}; its log is {log}"
+        )
     return json.loads(out.read_text())
+
+
+def vllm_error(log: Path) -> str | None:
+    """The line of a vLLM log that says why it stopped (the last ``...Error``/``Value error`` line), if any."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines()]
+    causes = [line for line in lines if "Value error," in line or re.match(r"^\w*(Error|Exception)\b", line)]
+    return causes[-1] if causes else None
+
+
+def mean_acceptance_length(acceptance: dict | None) -> float | None:
+    """vLLM's mean acceptance length: 1 + accepted draft tokens per draft (the target's own token counts)."""
+    if not acceptance or not acceptance.get("vllm:spec_decode_num_drafts"):
+        return None
+    return 1 + acceptance["vllm:spec_decode_num_accepted_tokens"] / acceptance["vllm:spec_decode_num_drafts"]
 
 
 # ---------------------------------------------------------------- the worker (inside the vLLM venv)
@@ -131,9 +174,6 @@ def _worker(job_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     job = json.loads(Path(job_path).read_text())
-    speculative = None
-    if job["ngram"]:
-        speculative = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     config = dict(
         model=job["model"],
         dtype=job["dtype"],
@@ -141,12 +181,14 @@ def _worker(job_path: str, out_path: str) -> None:
         gpu_memory_utilization=0.3,  # on a CPU: the share of RAM to reserve
         limit_mm_per_prompt={"image": 0, "video": 0},  # text prompts: skip the multimodal memory profile
         seed=0,
-        speculative_config=speculative,
+        speculative_config=job.get("speculative"),
+        enforce_eager=job.get("enforce_eager", False),
         disable_log_stats=False,  # keeps the counters get_metrics() reads
     )
     llm = LLM(**config)
     params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"])
     llm.generate([{"prompt_token_ids": job["prompts"][0]}], params, use_tqdm=False)  # warm-up
+    before = _acceptance(llm)
     tokens, seconds = [], []
     for ids in job["prompts"]:
         tick = time.perf_counter()
@@ -154,7 +196,7 @@ def _worker(job_path: str, out_path: str) -> None:
         seconds.append(time.perf_counter() - tick)
         tokens.append(list(output[0].outputs[0].token_ids))
     Path(out_path).write_text(
-        json.dumps(dict(tokens=tokens, seconds=seconds, acceptance=_acceptance(llm), config=config))
+        json.dumps(dict(tokens=tokens, seconds=seconds, acceptance=_since(before, _acceptance(llm)), config=config))
     )
 
 
@@ -167,8 +209,25 @@ def _acceptance(llm) -> dict | None:
     found = {}
     for metric in metrics:
         if "spec_decode" in metric.name:
-            found[metric.name] = getattr(metric, "value", None) or getattr(metric, "values", None)
+            # Counters carry .value, vectors .values; a counter at 0 must stay 0, not None.
+            found[metric.name] = metric.value if hasattr(metric, "value") else getattr(metric, "values", None)
     return found or None
+
+
+def _since(before: dict | None, after: dict | None) -> dict | None:
+    """Counters ``after`` minus ``before`` (numbers and per-position lists), i.e. the timed prompts only."""
+    if not after or not before:
+        return after
+    delta = {}
+    for name, value in after.items():
+        old = before.get(name)
+        if isinstance(value, list) and isinstance(old, list) and len(old) == len(value):
+            delta[name] = [a - b for a, b in zip(value, old)]
+        elif isinstance(value, (int, float)) and isinstance(old, (int, float)):
+            delta[name] = value - old
+        else:
+            delta[name] = value
+    return delta
 
 
 if __name__ == "__main__":
