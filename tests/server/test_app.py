@@ -345,7 +345,9 @@ def test_an_answer_the_context_cuts_short_says_so(live, server_target, client):
     response = client.chat.completions.create(model=MODEL, messages=user(words), max_tokens=64, temperature=0)
     spec = response.model_extra["vlmspec"]
     assert response.choices[0].finish_reason == "length" and response.usage.completion_tokens <= room
-    assert spec["finish_reason"] == "context" and "context window" in spec["message"] and "max_tokens" in spec["message"]
+    assert (
+        spec["finish_reason"] == "context" and "context window" in spec["message"] and "max_tokens" in spec["message"]
+    )
     short = client.chat.completions.create(model=MODEL, messages=user("Hi"), max_tokens=3, temperature=0)
     assert short.choices[0].finish_reason == "length" and short.model_extra["vlmspec"]["finish_reason"] == "length"
     assert "message" not in short.model_extra["vlmspec"]
