@@ -123,3 +123,40 @@ def test_bad_calls_are_refused(make_target):
         batch.add(target.prefill(target.build_inputs(None, "Hello."), feature_layers=(1,))[0])
     with pytest.raises(IndexError):
         batch.remove(4)
+
+
+@pytest.mark.parametrize("decode", ["fast", "reference"])
+def test_text_prompts_prefill_together_as_if_alone(make_target, family, astronaut, decode):
+    """RaggedBatch.prefill: several text prompts in one forward, next to a row prefilled alone with an image."""
+    target = make_target(family)
+    target.decode = decode
+    try:
+        inputs = prompts(target, astronaut)
+        text = [inputs[0], inputs[2]]
+        batch = RaggedBatch(target, feature_layers=LAYERS)
+        image_state, _ = target.prefill(inputs[1], feature_layers=LAYERS)
+        batch.add(image_state)  # an earlier row, which the prefill forward must leave alone
+        steps = batch.prefill([x.input_ids[0] for x in text])
+        assert batch.num_rows == 3 and batch.lengths.tolist() == [inputs[1].length, text[0].length, text[1].length]
+        alone = [target.prefill(x, feature_layers=LAYERS) for x in text]
+        for step, (_, single) in zip(steps, alone):
+            torch.testing.assert_close(step.logits, single.logits, atol=1e-4, rtol=1e-4)  # [1, V]: the last prediction
+            torch.testing.assert_close(step.features, single.features, atol=1e-4, rtol=1e-4)
+            assert torch.equal(step.positions, single.positions.cpu())
+        # decoding goes on from the prefilled rows as from rows that joined after a one-request prefill
+        states = [target.prefill(inputs[1], feature_layers=LAYERS)[0]] + [state for state, _ in alone]
+        tokens, num_tokens = torch.tensor([[7, 8], [9, 10], [11, 0]]), torch.tensor([2, 2, 1])
+        check_rows(target, batch.verify(tokens, num_tokens), states, tokens, num_tokens, keep=num_tokens)
+    finally:
+        target.decode = "fast"
+
+
+def test_a_failed_prefill_adds_no_row(make_target):
+    target = make_target("qwen2_vl")
+    batch = RaggedBatch(target)
+    with pytest.raises(ValueError, match="context length"):
+        batch.prefill([torch.tensor([1, 2]), torch.arange(target.max_context + 1) % 100])
+    assert batch.num_rows == 0
+    with pytest.raises(ValueError, match="at least one token"):
+        batch.prefill([torch.tensor([], dtype=torch.long)])
+    assert batch.prefill([]) == [] and batch.num_rows == 0

@@ -147,7 +147,8 @@ class EngineWorker:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        # failure first: a failed thread still runs for a moment while it fails its requests
+        return self.failure is None and self._thread is not None and self._thread.is_alive() and not self._stopping
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will submit requests."""
@@ -257,10 +258,12 @@ class EngineWorker:
         taken.set_result(request_id)
 
     def _step(self) -> None:
-        """``engine.step()``, in its parts: each first token goes out as soon as its prefill is done."""
+        """``engine.step()``, in its parts: first tokens go out as soon as their (shared) prefill is done."""
         try:
-            while (admitted := self.engine.admit_next()) is not None:
-                self._publish(admitted, time.perf_counter())
+            admitted = self.engine.admit()
+            now = time.perf_counter()
+            for output in admitted:
+                self._publish(output, now)
             outputs = self.engine.decode()
         except Exception as err:  # noqa: BLE001 - the engine isolates request failures; this is anything else
             self._abort_all(error=err)

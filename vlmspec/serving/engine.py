@@ -5,9 +5,11 @@ vlmspec's own target forward as the "model runner": a :class:`~vlmspec.targets.r
 that verifies every request's anchor plus its scheduled drafts in one packed forward.
 Each :meth:`BatchEngine.step`:
 
-1. admits waiting requests while fewer than ``max_batch_size`` run: each one's prompt
-   (with its images) is prefilled on its own and its first token drawn
-   (:func:`vlmspec.serving.requests.prefill_request`), then its KV joins the ragged batch;
+1. admits waiting requests while fewer than ``max_batch_size`` run and draws each one's
+   first token: the text-only ones in one packed forward of the runner that writes their
+   KV straight into new rows (:meth:`RaggedBatch.prefill`), each one with images on its
+   own, with the vision tower, before its KV joins the ragged batch
+   (:func:`vlmspec.serving.requests.prefill_request`);
 2. runs one step of the step API for all running requests: one drafter call
    (``decoder.propose``), one scheduler call on the [R, gamma] confidences
    (``decoder.plan``), one target forward (``RaggedBatch.verify``), then
@@ -48,9 +50,16 @@ import torch
 from vlmspec.drafters.base import Proposer
 from vlmspec.loading import load_proposer, load_target
 from vlmspec.scheduling.base import Scheduler
-from vlmspec.serving.requests import context_room, end_at_context, new_request, prefill_request
+from vlmspec.serving.requests import (
+    context_room,
+    end_at_context,
+    new_request,
+    prefill_request,
+    start_text_request,
+    warn_if_context_cuts,
+)
 from vlmspec.serving.steps import SpecDecoder, SpecRequest
-from vlmspec.targets.adapter import QwenVLTarget
+from vlmspec.targets.adapter import QwenVLTarget, TargetStep
 from vlmspec.targets.inputs import ImageLike, TargetInputs
 from vlmspec.targets.ragged import RaggedBatch
 from vlmspec.types import DraftBlock, GenerationResult, RoundRecord
@@ -272,33 +281,78 @@ class BatchEngine:
     def step(self) -> list[StepOutput]:
         """Admit waiting requests, run one speculative step for all running ones, retire the finished.
 
-        The same as calling :meth:`admit_next` until it returns None, then :meth:`decode`
-        (a host that streams calls them itself, to hand out each first token as soon as
-        its prefill is done).
+        The same as calling :meth:`admit`, then :meth:`decode` (a host that streams calls
+        them itself, to hand out the first tokens as soon as their prefill is done).
         """
-        outputs = []
-        while (admitted := self.admit_next()) is not None:
-            outputs.append(admitted)
-        return outputs + self.decode()
+        return self.admit() + self.decode()
+
+    def admit(self, limit: int | None = None) -> list[StepOutput]:
+        """Prefill up to ``limit`` waiting requests (default: as many as the batch has room for); their first tokens.
+
+        The text-only ones share one packed forward; a prompt with images is prefilled
+        alone. Requests start (draw their first token, open their drafter state) in the
+        order they were added.
+        """
+        room = self.max_batch_size - len(self._running)
+        count = min(len(self._waiting), room if limit is None else min(limit, room))
+        entries = [self._waiting.popleft() for _ in range(max(count, 0))]
+        prefilled = self._prefill_text([entry for entry in entries if entry.inputs.num_images == 0])
+        for entry in entries:
+            if entry.inputs.num_images:
+                self._prefill_alone(entry)
+            elif entry.request_id in prefilled:
+                prompt_step, seconds = prefilled[entry.request_id]
+                start_text_request(self.target, self.decoder, entry.request, entry.inputs, prompt_step, seconds)
+            entry.inputs = None  # the processor outputs (pixels) are not needed any more
+        outputs = [StepOutput(e.request_id, list(e.request.tokens), e.request.finish_reason, None) for e in entries]
+        self._retire()  # a request can end with its first token
+        return outputs
 
     def admit_next(self) -> StepOutput | None:
         """Prefill the next waiting request if there is room in the batch; its first token (None: nothing admitted)."""
-        if not self._waiting or len(self._running) >= self.max_batch_size:
-            return None
-        entry = self._waiting.popleft()
-        request, committed = entry.request, []
+        admitted = self.admit(limit=1)
+        return admitted[0] if admitted else None
+
+    def _prefill_text(self, entries: list[_Entry]) -> dict[str, tuple[TargetStep, float]]:
+        """Text-only prompts in one runner forward (new rows, joined to ``_running`` in order): each one's step.
+
+        If the shared forward fails, each prompt runs alone, so a failure stays with its request.
+        """
+        if not entries:
+            return {}
         try:
-            state = prefill_request(self.target, self.decoder, request, entry.inputs)
-            committed = list(request.tokens)
-            if not request.finished:
-                self._batch.add(state)
-                self._running.append(entry)
+            return self._prefill_rows(entries)
+        except Exception:  # noqa: BLE001 - the shared forward failed (no row was added): find whose prompt it was
+            prefilled = {}
+            for entry in entries:
+                try:
+                    prefilled |= self._prefill_rows([entry])
+                except Exception as err:  # noqa: BLE001 - only this request's own prefill failed
+                    entry.request.finish("error", err)
+                    self._store(entry)
+            return prefilled
+
+    def _prefill_rows(self, entries: list[_Entry]) -> dict[str, tuple[TargetStep, float]]:
+        for entry in entries:
+            warn_if_context_cuts(self.target, entry.request, entry.inputs.length)
+        tick = time.perf_counter()
+        steps = self._batch.prefill([entry.inputs.input_ids[0] for entry in entries])
+        seconds = time.perf_counter() - tick  # every request of the forward waited for all of it
+        self._running += entries
+        return {entry.request_id: (step, seconds) for entry, step in zip(entries, steps, strict=True)}
+
+    def _prefill_alone(self, entry: _Entry) -> None:
+        """One request with images: the target's own prefill (vision tower, M-RoPE), then its KV joins a row."""
+        try:
+            state = prefill_request(self.target, self.decoder, entry.request, entry.inputs)
+            if entry.request.finished:  # its first token ended it
+                self._store(entry)
+                return
+            self._batch.add(state)
+            self._running.append(entry)
         except Exception as err:  # noqa: BLE001 - only this request's own prefill failed
-            request.finish("error", err)
-        entry.inputs = None  # the processor outputs (pixels) are not needed any more
-        if request.finished:
+            entry.request.finish("error", err)
             self._store(entry)
-        return StepOutput(entry.request_id, committed, request.finish_reason, None)
 
     def decode(self) -> list[StepOutput]:
         """One speculative step for every running request (none: nothing); if it fails, once for each request alone."""

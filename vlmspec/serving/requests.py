@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from vlmspec.serving.steps import SpecDecoder, SpecRequest
-from vlmspec.targets.adapter import QwenVLTarget, RequestState, prefill_output
+from vlmspec.targets.adapter import QwenVLTarget, RequestState, TargetStep, prefill_output
 from vlmspec.targets.inputs import ImageLike, TargetInputs
+from vlmspec.types import PrefillOutput
 
 CONTEXT_FINISH = "context"  # the finish reason of a request the context window cut short (see end_at_context)
 
@@ -46,6 +47,33 @@ def prefill_request(
     decoder.start(request, prefill_output(inputs, state, step))
     end_at_context(target, request, state.length)
     return state
+
+
+def start_text_request(
+    target: QwenVLTarget,
+    decoder: SpecDecoder,
+    request: SpecRequest,
+    prompt: TargetInputs,
+    step: TargetStep,
+    prefill_s: float,
+) -> None:
+    """Start a text-only request from its row's prefill (:meth:`RaggedBatch.prefill`): the first token is committed.
+
+    A failure to start ends the request with "error"; its row stays until the host retires it.
+    """
+    request.stats.prefill_s = prefill_s
+    output = PrefillOutput(
+        token_ids=prompt.input_ids[0].cpu(),
+        positions=step.positions,
+        features=step.features,
+        logits=step.logits[-1],
+        next_position=prompt.length,  # text only: rope_delta 0
+    )
+    try:
+        decoder.start(request, output)
+    except Exception as err:  # noqa: BLE001 - only this request's start failed
+        request.finish("error", err)
+    end_at_context(target, request, prompt.length)
 
 
 def warn_if_context_cuts(target: QwenVLTarget, request: SpecRequest, prompt_length: int) -> None:

@@ -151,8 +151,13 @@ class PackedDecoder:
         kv: KVSlots,  # the runner's KV buffers and each packed token's slot
         attend,  # (q [B, H, hd], key buffer, value buffer, scaling) -> [B, H, hd]
         feature_layers: Sequence[int] = (),
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [B, V] float32, features [B, m * d] or None
-        """Logits (and hooked decoder-layer outputs) of the packed tokens; writes their K/V into ``kv``."""
+        logits_at: torch.Tensor | None = None,  # [n] int64 packed tokens whose logits are wanted (None: all)
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [B or n, V] float32, features [B, m * d] or None
+        """Logits (and hooked decoder-layer outputs) of the packed tokens; writes their K/V into ``kv``.
+
+        A prefill wants only each prompt's last prediction: ``logits_at`` keeps the LM head
+        (the largest linear) off the other tokens.
+        """
         n = ids.shape[0]
         hidden = self.embed(ids)  # [B, d]
         cos, sin = self._rotary(positions, hidden.dtype)
@@ -171,7 +176,8 @@ class PackedDecoder:
             hidden = hidden + layer.down(layer.act(gate) * up)
             if index in feature_layers:
                 captured[index] = hidden
-        logits = self.head(self.norm(hidden)).float()
+        last = hidden if logits_at is None else hidden[logits_at]
+        logits = self.head(self.norm(last)).float()
         features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
         return logits, features
 

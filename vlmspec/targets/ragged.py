@@ -23,8 +23,10 @@ afterwards. A :class:`RaggedBatch` holds such rows:
 A failed forward writes only at or beyond each row's committed length, so every row's
 committed state survives it: the caller may retry (the engine does, request by request).
 
-Requests enter after a one-request prefill (:meth:`QwenVLTarget.prefill`, images
-included): :meth:`RaggedBatch.add` copies the prompt's KV into a free row. A finished
+Text-only requests enter through :meth:`RaggedBatch.prefill`: many prompts in one packed
+forward that writes their KV straight into new rows. Requests with images enter after a
+one-request prefill (:meth:`QwenVLTarget.prefill`, with the vision tower and M-RoPE):
+:meth:`RaggedBatch.add` copies the prompt's KV into a free row. A finished
 request leaves with :meth:`RaggedBatch.remove`, which moves the last row into the hole
 (one row copied, not the whole buffer). Rows therefore change index: ``remove`` says which.
 
@@ -43,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from vlmspec.kernels.cpu_kernels import attention_applies, decode_attention
-from vlmspec.targets.adapter import QwenVLTarget, RequestState
+from vlmspec.targets.adapter import QwenVLTarget, RequestState, TargetStep
 
 RAGGED_ATTENTION = "vlmspec_ragged"
 
@@ -161,17 +163,61 @@ class RaggedBatch:
         if layout.rows.numel() == 0:  # nothing to run: every row sits this step out
             self._pending = num_tokens
             return RaggedStep(torch.zeros(self.num_rows, width, self.target.vocab_size), None, positions)
-        self._reserve(rows=self.num_rows, slots=int((self.lengths + num_tokens).max()))
-        device = self.target.device
-        packed_ids = tokens.cpu()[layout.rows, layout.offsets].to(device)  # [B]
-        packed_positions = positions[layout.rows, layout.offsets].to(device)  # [B], all three M-RoPE components
-        forward = self._fast_forward if self.target.decode == "fast" else self._reference_forward
-        packed_logits, packed_features = forward(packed_ids, packed_positions, layout)
-        gather = _padding_gather(layout, device)  # [R * W] packed index of each padded slot
+        packed_logits, packed_features = self._forward(tokens, positions, num_tokens, layout)
+        gather = _padding_gather(layout, self.target.device)  # [R * W] packed index of each padded slot
         logits = packed_logits[gather].view(self.num_rows, width, -1)
         features = None if packed_features is None else packed_features[gather].view(self.num_rows, width, -1)
         self._pending = num_tokens
         return RaggedStep(logits=logits, features=features, positions=positions)
+
+    @torch.no_grad()
+    def prefill(self, prompts: Sequence[torch.Tensor]) -> list[TargetStep]:  # prompts: each [L_i] int64
+        """Open one row per text-only prompt and run all of them in one packed forward.
+
+        Text tokens sit at position i in all three M-RoPE components (``rope_delta`` 0),
+        so a text prompt needs nothing but its ids; prompts with images go through
+        :meth:`QwenVLTarget.prefill` and :meth:`add`. Rows are appended in order. Returns,
+        per prompt, the prediction after its last token (logits [1, V] float32), the hooked
+        features of all its tokens ([L_i, m * d], or None) and their positions ([L_i]).
+        If the forward fails, no row is added.
+        """
+        if not prompts:
+            return []
+        prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1).cpu() for p in prompts]
+        lengths = torch.tensor([p.numel() for p in prompts])  # [P]
+        if bool((lengths < 1).any()):
+            raise ValueError("prefill() takes prompts of at least one token")
+        if not self._keys:
+            self._allocate_empty(max(self._initial_capacity, int(lengths.max())))
+        first = self.num_rows
+        width = int(lengths.max())
+        self.lengths = torch.cat((self.lengths, torch.zeros(len(prompts), dtype=torch.long)))
+        self.rope_deltas = torch.cat((self.rope_deltas, torch.zeros(len(prompts), dtype=torch.long)))
+        self._decoder = None  # a request joins: the packed weights are re-checked once, as in add()
+        tokens = torch.zeros(self.num_rows, width, dtype=torch.long)  # [R, W]: only the new rows have inputs
+        num_tokens = torch.zeros(self.num_rows, dtype=torch.long)  # [R]
+        for i, prompt in enumerate(prompts):
+            tokens[first + i, : prompt.numel()] = prompt
+        num_tokens[first:] = lengths
+        try:
+            num_tokens = self._check_inputs(tokens, num_tokens)
+            layout = self._layout(num_tokens, width)
+            ends = torch.cumsum(lengths, 0)  # packed order is the new rows' tokens, row after row
+            positions = self.lengths[:, None] + torch.arange(width) + self.rope_deltas[:, None]  # [R, W]
+            logits, features = self._forward(tokens, positions, num_tokens, layout, logits_at=ends - 1)
+        except Exception:
+            self.lengths, self.rope_deltas = self.lengths[:first], self.rope_deltas[:first]
+            raise
+        self.lengths = self.lengths + num_tokens
+        self._pending = None
+        return [
+            TargetStep(
+                logits=logits[i : i + 1],
+                features=None if features is None else features[int(end - n) : int(end)],
+                positions=torch.arange(int(n)),
+            )
+            for i, (n, end) in enumerate(zip(lengths, ends, strict=True))
+        ]
 
     def advance(self, keep: torch.Tensor | Sequence[int]) -> None:  # keep: [R] int64
         """Keep the first ``keep[r]`` inputs of row r's last verify ([R] int64); the rest are rolled back."""
@@ -186,7 +232,16 @@ class RaggedBatch:
         self._pending = None
 
     # ------------------------------------------------------------ internals
-    def _fast_forward(self, ids: torch.Tensor, positions: torch.Tensor, layout: _Layout):
+    def _forward(self, tokens, positions, num_tokens, layout: _Layout, logits_at: torch.Tensor | None = None):
+        """The packed forward over the real inputs of ``tokens`` [R, W]: logits [B or n, V], features [B, m*d]."""
+        self._reserve(rows=self.num_rows, slots=int((self.lengths + num_tokens).max()))
+        device = self.target.device
+        packed_ids = tokens.cpu()[layout.rows, layout.offsets].to(device)  # [B]
+        packed_positions = positions[layout.rows, layout.offsets].to(device)  # [B], all three M-RoPE components
+        forward = self._fast_forward if self.target.decode == "fast" else self._reference_forward
+        return forward(packed_ids, packed_positions, layout, None if logits_at is None else logits_at.to(device))
+
+    def _fast_forward(self, ids: torch.Tensor, positions: torch.Tensor, layout: _Layout, logits_at=None):
         """vlmspec's packed decoder (fused linears): logits [B, V] float32, features [B, m * d] or None."""
         cache = _RaggedCache(self._keys, self._values, layout)
         if self._decoder is None:  # checked against the model's weights once per request joining, not per step
@@ -202,9 +257,9 @@ class RaggedBatch:
             def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
                 return attend_rows(q, keys, values, layout, scaling)  # [B, H, hd]
 
-        return decoder(ids, positions, cache, attend, self.feature_layers)
+        return decoder(ids, positions, cache, attend, self.feature_layers, logits_at)
 
-    def _reference_forward(self, ids: torch.Tensor, positions: torch.Tensor, layout: _Layout):
+    def _reference_forward(self, ids: torch.Tensor, positions: torch.Tensor, layout: _Layout, logits_at=None):
         """transformers' own forward with the ragged attention: logits [B, V] float32, features [B, m * d] or None."""
         mrope = positions.view(1, 1, -1).expand(3, 1, -1)  # [3, 1, B]
         cache = _RaggedCache(self._keys, self._values, layout)
@@ -218,7 +273,8 @@ class RaggedBatch:
         features = None
         if self.feature_layers:
             features = torch.cat([captured[i][0] for i in self.feature_layers], dim=-1)
-        return out.logits[0].float(), features
+        logits = out.logits[0] if logits_at is None else out.logits[0][logits_at]
+        return logits.float(), features
 
     def _check_inputs(self, tokens: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:  # [R, W], [R] -> [R] CPU
         if tokens.dim() != 2 or tokens.shape[0] != self.num_rows or tokens.dtype.is_floating_point:
@@ -254,6 +310,15 @@ class RaggedBatch:
             keys=keys,
             mask=mask[:, None].to(self.target.device),
         )
+
+    def _allocate_empty(self, capacity: int) -> None:
+        """Buffers shaped from the model's config (no prefilled request to copy the shapes from)."""
+        config = self.target.model.config.get_text_config()
+        heads = config.num_key_value_heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        for buffers in (self._keys, self._values):
+            for _ in range(config.num_hidden_layers):
+                buffers.append(torch.zeros(1, heads, capacity, dim, dtype=self.target.dtype, device=self.target.device))
 
     def _allocate(self, layers, capacity: int) -> None:
         for layer in layers:
