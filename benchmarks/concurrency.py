@@ -9,7 +9,11 @@ through ``vlmspec.serving.BatchEngine`` with ``max_batch_size = C``, once per va
 * ``threshold``: drafts up to the first confidence below ``--threshold``;
 * ``prefix``: Algorithm 1 over the whole batch, with an SPS table measured here for the
   batched forward (``vlmspec profile --requests ...``; pass ``--sps`` to reuse one);
-* ``lagged-topk`` (opt-in with ``--variants``): Algorithm 1's production form.
+* ``lagged-topk`` (opt-in with ``--variants``): Algorithm 1's production form;
+* ``vllm``, ``vllm-ngram`` (opt-in): vLLM's CPU build on the same prompt tokens, all C
+  submitted in one ``generate`` call (its own continuous batching), plain or with its
+  n-gram speculation, in its own venv (``benchmarks/vllm_peer.py``); greedy, text only
+  (``--workload text``), the reference target only.
 
 Variants run interleaved (rotated) at every level, in one process, so ratios compare
 numbers measured side by side. Reported per run: output tokens per second (all new
@@ -56,9 +60,10 @@ from benchmarks.common import (
 from benchmarks.spec.workloads import Task, easy_vqa_tasks, prompt_set_tasks, skimage_open_tasks
 from vlmspec.scheduling import build_scheduler
 from vlmspec.serving import BatchEngine
-from vlmspec.types import SpecStats
+from vlmspec.types import GenerationResult, SpecStats
 
-VARIANTS = ("alone", "fixed", "threshold", "prefix", "lagged-topk")
+VARIANTS = ("alone", "fixed", "threshold", "prefix", "lagged-topk", "vllm", "vllm-ngram")
+VLLM_VARIANTS = {"vllm": False, "vllm-ngram": True}  # name -> n-gram speculation
 DEFAULT_VARIANTS = ("alone", "fixed", "threshold", "prefix")
 DEFAULT_PROMPT_SET = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "mt-bench.jsonl"
 IMAGE_PROMPT = "Describe the image in detail."
@@ -89,6 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile-repeats", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs of every cell (the fastest counts)")
     parser.add_argument("--prompt-set", default=str(DEFAULT_PROMPT_SET), help="text prompts (JSONL with turns)")
+    parser.add_argument(
+        "--workload", default="mixed", choices=("mixed", "text"), help="mixed: half the requests with an image"
+    )
+    parser.add_argument("--threads", type=int, default=2, help="torch threads here and vLLM's OpenMP threads")
     parser.add_argument("--out", type=Path, default=Path("runs/concurrency"))
     args = parser.parse_args(argv)
     args.levels = _int_list(args.concurrency, "--concurrency")
@@ -98,6 +107,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--modes takes greedy and/or sampled, got {args.modes!r}")
     if not args.variant_list or set(args.variant_list) - set(VARIANTS):
         parser.error(f"--variants takes any of {', '.join(VARIANTS)}, got {args.variants!r}")
+    if set(args.variant_list) & set(VLLM_VARIANTS):
+        if args.workload != "text" or args.mode_list != ["greedy"] or args.target != "reference":
+            parser.error(
+                "the vllm variants run greedy text prompts on the reference target: pass --workload text "
+                "--modes greedy (and the default --target reference)"
+            )
     return args
 
 
@@ -123,13 +138,18 @@ def load_pair(args: argparse.Namespace):
 
 
 def workload(args: argparse.Namespace, count: int) -> list[Task]:
-    """``count`` tasks alternating image and text: easy-vqa shapes (scikit-image photos without easy-vqa), prompt-set questions."""
+    """``count`` tasks alternating image and text: easy-vqa shapes (scikit-image photos without easy-vqa), prompt-set questions.
+
+    ``--workload text``: prompt-set questions only.
+    """
+    text_tasks = prompt_set_tasks(args.prompt_set, None)
+    if args.workload == "text":
+        return [text_tasks[i % len(text_tasks)] for i in range(count)]
     images = max((count + 1) // 2, 1)
     try:
         image_tasks = easy_vqa_tasks(images)
     except ImportError:
         image_tasks = skimage_open_tasks(images, max_side=224)
-    text_tasks = prompt_set_tasks(args.prompt_set, None)
     tasks = []
     for i in range(count):
         if i % 2 == 0:
@@ -195,6 +215,31 @@ def run_cell(engine: BatchEngine, requests: list[dict[str, Any]]) -> tuple[float
     return time.perf_counter() - tick, results
 
 
+def run_vllm_cell(variant: str, target, requests: list[dict[str, Any]], args, out: Path) -> tuple[float, list]:
+    """vLLM on the same prompt tokens, all requests in one call; results as GenerationResults (no tau)."""
+    from benchmarks.vllm_peer import run_vllm
+    from vlmspec.reference import reference_target_dir
+
+    prompts = [target.build_inputs(None, r["prompt"]).input_ids[0].tolist() for r in requests]
+    found = run_vllm(
+        reference_target_dir(),
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        dtype=args.dtype,
+        ngram=VLLM_VARIANTS[variant],
+        threads=args.threads,
+        work_dir=out / "vllm",
+        name=f"{variant}-{len(prompts)}",
+        concurrent=True,
+    )
+    wall_s = found["seconds"][0]
+    results = []
+    for tokens in found["tokens"]:
+        stats = SpecStats(new_tokens=len(tokens), total_s=wall_s)
+        results.append(GenerationResult(target.tokenizer.decode(tokens), tokens, stats, "length"))
+    return wall_s, results
+
+
 def cell_metrics(wall_s: float, results: list) -> dict[str, Any]:
     stats = SpecStats.merge(r.stats for r in results)
     latencies = sorted(r.stats.total_s for r in results)
@@ -214,13 +259,15 @@ def cell_metrics(wall_s: float, results: list) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     out = prepare_out_dir(args.out)
     target, proposer = load_pair(args)
     needs_table = {"prefix", "lagged-topk"} & set(args.variant_list)
     table = sps_table(args, target, proposer.max_draft_tokens, out) if needs_table else None
     tasks = workload(args, max(args.levels))
     log("warming up ...")
-    for variant in args.variant_list:
+    ours = [variant for variant in args.variant_list if variant not in VLLM_VARIANTS]
+    for variant in ours:
         make_engine(variant, target, proposer, table, args, 2).generate_many(
             requests_for(tasks[:2], "greedy", args)[:2]
         )
@@ -232,10 +279,13 @@ def main(argv: list[str] | None = None) -> int:
             best: dict[str, tuple[float, list]] = {}
             for repeat in range(args.repeats):
                 for variant in rotated(args.variant_list, repeat + level):
-                    engine = make_engine(variant, target, proposer, table, args, level)
-                    wall_s, results = run_cell(engine, requests)
-                    del engine
-                    gc.collect()
+                    if variant in VLLM_VARIANTS:
+                        wall_s, results = run_vllm_cell(variant, target, requests, args, out)
+                    else:
+                        engine = make_engine(variant, target, proposer, table, args, level)
+                        wall_s, results = run_cell(engine, requests)
+                        del engine
+                        gc.collect()
                     if variant not in best or wall_s < best[variant][0]:
                         best[variant] = (wall_s, results)
             alone = best.get("alone")
@@ -247,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                     if mode == "greedy":
                         cell["identical"] = all(r.token_ids == a.token_ids for r, a in zip(results, alone[1]))
                 cells.append(cell)
-                log(f"{mode:8s} C={level:3d} {variant:12s} {cell['tokens_per_s']:8.1f} tok/s  tau {cell['tau']:.2f}")
+                tau = "" if variant in VLLM_VARIANTS else f"  tau {cell['tau']:.2f}"
+                log(f"{mode:8s} C={level:3d} {variant:12s} {cell['tokens_per_s']:8.1f} tok/s{tau}")
     write_outputs(out, args, cells, table)
     return 0
 
@@ -293,7 +344,8 @@ def write_outputs(out: Path, args: argparse.Namespace, cells: list[dict[str, Any
     ]
     note = (
         f"target {args.target}, drafter {args.drafter}, {args.dtype}, {args.max_new_tokens} new tokens per request, "
-        f"half the requests with an image; sampled: temperature {args.temperature}"
+        + ("text prompts only" if args.workload == "text" else "half the requests with an image")
+        + f"; sampled: temperature {args.temperature}; vllm rows: vLLM's own batching, no tau"
     )
     write_text(out / "concurrency.md", f"{note}\n\n{markdown_table(headers, rows)}")
     for mode in args.mode_list:

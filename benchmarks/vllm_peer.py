@@ -108,10 +108,14 @@ def run_vllm(
     speculative: dict | None = None,
     name: str | None = None,
     enforce_eager: bool = False,
+    concurrent: bool = False,
     venv: Path = DEFAULT_VENV,
     timeout_s: int = 1800,
 ) -> dict:
     """Greedy answers of vLLM (plain, n-gram, or any ``speculative`` config) to ``prompts``, one at a time.
+
+    ``concurrent=True`` submits all prompts in one ``generate`` call instead (vLLM batches
+    them itself, continuous batching): ``seconds`` then holds that one call's wall time.
 
     ``speculative`` is vLLM's ``speculative_config`` dict; ``ngram=True`` is shorthand for
     :data:`NGRAM`. ``enforce_eager`` skips vLLM's ``torch.compile`` warm-up (about a minute).
@@ -135,6 +139,7 @@ def run_vllm(
                 dtype=dtype,
                 speculative=speculative,
                 enforce_eager=enforce_eager,
+                concurrent=concurrent,
             )
         )
     )
@@ -190,11 +195,12 @@ def _worker(job_path: str, out_path: str) -> None:
     llm.generate([{"prompt_token_ids": job["prompts"][0]}], params, use_tqdm=False)  # warm-up
     before = _acceptance(llm)
     tokens, seconds = [], []
-    for ids in job["prompts"]:
+    batches = [job["prompts"]] if job.get("concurrent") else [[ids] for ids in job["prompts"]]
+    for batch in batches:
         tick = time.perf_counter()
-        output = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
         seconds.append(time.perf_counter() - tick)
-        tokens.append(list(output[0].outputs[0].token_ids))
+        tokens += [list(output.outputs[0].token_ids) for output in outputs]
     Path(out_path).write_text(
         json.dumps(dict(tokens=tokens, seconds=seconds, acceptance=_since(before, _acceptance(llm)), config=config))
     )
