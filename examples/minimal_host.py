@@ -75,7 +75,9 @@ class MiniEngine:
         while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting.popleft()
             seq.kv, step = self.target.prefill(seq.inputs, feature_layers=layers, position_rule=rule)
-            self.decoder.start(seq.request, prefill_output(seq.inputs, seq.kv, step))  # draws the first token
+            self.decoder.start(
+                seq.request, prefill_output(seq.inputs, step, seq.kv.rope_delta)
+            )  # draws the first token
             if seq.request.finished:  # max_new_tokens=1 or an immediate EOS
                 self.finished[seq.seq_id] = seq
             else:

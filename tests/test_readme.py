@@ -122,7 +122,7 @@ def test_the_step_api_host_loop_runs(make_target):
         )
         kv[id(request)] = state
         namespace["running"].append(request)
-        return prefill_output(inputs, state, step)
+        return prefill_output(inputs, step, state.rope_delta)
 
     def my_forward(input_ids, num_inputs, positions):  # one row at a time, as examples/minimal_host.py
         logits = torch.zeros(*input_ids.shape, target.vocab_size)

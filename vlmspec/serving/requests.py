@@ -10,7 +10,6 @@ from typing import Any
 from vlmspec.serving.steps import SpecDecoder, SpecRequest
 from vlmspec.targets.adapter import QwenVLTarget, RequestState, TargetStep, prefill_output
 from vlmspec.targets.inputs import ImageLike, TargetInputs
-from vlmspec.types import PrefillOutput
 
 CONTEXT_FINISH = "context"  # the finish reason of a request the context window cut short (see end_at_context)
 
@@ -44,7 +43,7 @@ def prefill_request(
     tick = time.perf_counter()
     state, step = target.prefill(inputs, feature_layers=proposer.feature_layers, position_rule=proposer.position_rule)
     request.stats.prefill_s = time.perf_counter() - tick
-    decoder.start(request, prefill_output(inputs, state, step))
+    decoder.start(request, prefill_output(inputs, step, state.rope_delta))
     end_at_context(target, request, state.length)
     return state
 
@@ -62,15 +61,8 @@ def start_text_request(
     A failure to start ends the request with "error"; its row stays until the host retires it.
     """
     request.stats.prefill_s = prefill_s
-    output = PrefillOutput(
-        token_ids=prompt.input_ids[0].cpu(),
-        positions=step.positions,
-        features=step.features,
-        logits=step.logits[-1],
-        next_position=prompt.length,  # text only: rope_delta 0
-    )
     try:
-        decoder.start(request, output)
+        decoder.start(request, prefill_output(prompt, step))  # text only: rope_delta 0
     except Exception as err:  # noqa: BLE001 - only this request's start failed
         request.finish("error", err)
     end_at_context(target, request, prompt.length)

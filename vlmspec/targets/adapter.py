@@ -207,12 +207,8 @@ class QwenVLTarget:
 
     @property
     def unused_token_ids(self) -> tuple[int, ...]:
-        """Vocabulary ids no prompt or answer here contains: rows past the tokenizer, then the video placeholder.
-
-        vlmspec feeds images, never videos, so the video placeholder's embedding row is free
-        for a drafter's MASK input even where the vocabulary has no spare row (tiny and
-        reference targets), and an exported drafter names it as its ``mask_token_id``.
-        """
+        """Ids no sequence here contains: rows past the tokenizer, then the video placeholder (vlmspec feeds
+        no videos), so a drafter's MASK can be an embedding row even without spare rows (``mask_token_id``)."""
         spare = tuple(range(len(self.tokenizer), self.vocab_size))
         video = getattr(self.model.config, "video_token_id", None)
         return spare + ((video,) if video is not None and video < self.vocab_size else ())
@@ -259,15 +255,10 @@ class QwenVLTarget:
             kwargs["pixel_values"] = kwargs["pixel_values"].to(self.dtype)
         return TargetInputs(input_ids=kwargs["input_ids"], model_kwargs=kwargs, num_images=len(pil_images))
 
-    def sequence_inputs(
-        self,
-        input_ids: torch.Tensor,  # [L] int64: a whole sequence, image placeholder tokens included
-        images: ImageLike | Sequence[ImageLike] | None = None,
-    ) -> TargetInputs:
-        """Inputs for a sequence that is already tokens (a stored prompt and answer), with its images.
+    def sequence_inputs(self, input_ids: torch.Tensor, images: ImageLike | Sequence[ImageLike] | None = None):
+        """Inputs (TargetInputs) of a whole sequence already in tokens ([L] int64, image placeholders included).
 
-        The images go through the same image processor as :meth:`build_inputs`, so a
-        sequence stored as token ids alone gets back exactly its prompt's vision inputs.
+        The images go through :meth:`build_inputs`' image processor: the prompt's own vision inputs.
         """
         ids = input_ids.view(1, -1).to(self.device)
         kwargs: dict[str, torch.Tensor] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -277,8 +268,7 @@ class QwenVLTarget:
             kwargs["pixel_values"] = vision["pixel_values"].to(self.device, self.dtype)
             kwargs["image_grid_thw"] = vision["image_grid_thw"].to(self.device)
             kwargs["mm_token_type_ids"] = (ids == self.model.config.image_token_id).long()
-            merge = self.processor.image_processor.merge_size**2
-            expected = int(kwargs["image_grid_thw"].prod(-1).sum()) // merge
+            expected = int(kwargs["image_grid_thw"].prod(-1).sum()) // self.processor.image_processor.merge_size**2
             found = int(kwargs["mm_token_type_ids"].sum())
             if found != expected:
                 raise ValueError(
@@ -482,14 +472,14 @@ class QwenVLTarget:
                 handle.remove()
 
 
-def prefill_output(inputs: TargetInputs, state: RequestState, step: TargetStep) -> PrefillOutput:
-    """What the step API's ``SpecDecoder.start`` needs from a one-request :meth:`QwenVLTarget.prefill`."""
+def prefill_output(inputs: TargetInputs, step: TargetStep, rope_delta: int = 0) -> PrefillOutput:
+    """What ``SpecDecoder.start`` needs from a prefill (``rope_delta``: the request state's; 0 for text)."""
     return PrefillOutput(
         token_ids=inputs.input_ids[0].cpu(),
         positions=step.positions,
         features=step.features,
         logits=step.logits[-1],
-        next_position=inputs.length + state.rope_delta,  # decoding continues at cache index + rope_delta
+        next_position=inputs.length + rope_delta,  # decoding continues at cache index + rope_delta
     )
 
 
