@@ -10,7 +10,10 @@ run):
 * ``fixed``: the drafter, every draft verified (``--scheduler none``);
 * ``prefix``: Algorithm 1, with a batch SPS table (``--sps``, or measured here first);
 * ``threshold-capped``: ``threshold``, drafting only while at most ``--speculate-up-to``
-  requests run (``vlmspec serve --speculate-up-to``).
+  requests run (``vlmspec serve --speculate-up-to``);
+* ``vllm`` (opt-in): ``vllm serve`` of vLLM's CPU build on the reference target, from its
+  own venv (``benchmarks/vllm_peer.py``), with its CPU guide's settings; text only
+  (``--workload text``).
 
 At each concurrency level N, N clients (``openai.AsyncOpenAI``, streaming) send
 ``--requests`` chat completions back to back, half with an image (a base64 data URL)
@@ -64,8 +67,9 @@ from benchmarks.common import (
     write_text,
 )
 from benchmarks.concurrency import DEFAULT_PROMPT_SET, workload
+from benchmarks.vllm_peer import DEFAULT_VENV as DEFAULT_VLLM_VENV
 
-VARIANTS = ("alone", "default", "threshold", "fixed", "prefix", "threshold-capped")
+VARIANTS = ("alone", "default", "threshold", "fixed", "prefix", "threshold-capped", "vllm")
 SCHEDULER_FLAGS = {
     "default": [],  # what vlmspec serve picks by itself
     "alone": ["--drafter", "none"],
@@ -95,6 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-batch-size", type=int, default=None, help="the servers' (default: the top level)")
     parser.add_argument("--prompt-set", default=str(DEFAULT_PROMPT_SET), help="text prompts (JSONL with turns)")
+    parser.add_argument(
+        "--workload", default="mixed", choices=("mixed", "text"), help="mixed: half the requests with an image"
+    )
+    parser.add_argument("--threads", type=int, default=2, help="vLLM's OpenMP threads (the vllm variant)")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for a server")
     parser.add_argument("--out", type=Path, default=Path("runs/serving"))
     args = parser.parse_args(argv)
@@ -104,6 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--concurrency takes positive integers separated by commas, got {args.concurrency!r}")
     if not args.variant_list or set(args.variant_list) - set(VARIANTS):
         parser.error(f"--variants takes any of {', '.join(VARIANTS)}, got {args.variants!r}")
+    if "vllm" in args.variant_list and (args.workload != "text" or args.target != "reference"):
+        parser.error("the vllm variant serves text prompts of the reference target: pass --workload text")
     return args
 
 
@@ -127,6 +137,8 @@ class ServerProcess:
 
 
 def start_server(variant: str, port: int, args: argparse.Namespace, sps: str | None, out: Path) -> ServerProcess:
+    if variant == "vllm":
+        return start_vllm_server(port, args, out)
     command = [sys.executable, "-m", "vlmspec.cli", "serve", "--target", args.target, "--dtype", args.dtype]
     command += ["--drafter", args.drafter, "--threshold", str(args.threshold)] + SCHEDULER_FLAGS[variant]
     command += ["--sps", sps] if variant == "prefix" else []
@@ -136,6 +148,22 @@ def start_server(variant: str, port: int, args: argparse.Namespace, sps: str | N
     log_file = open(out / f"server-{variant}.log", "w")  # closed by ServerProcess.stop
     process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
     return ServerProcess(variant, f"http://127.0.0.1:{port}", process, log_file)
+
+
+def start_vllm_server(port: int, args: argparse.Namespace, out: Path) -> ServerProcess:
+    """``vllm serve`` of the reference target in vLLM's venv (made on first use), text prompts only."""
+    from benchmarks.vllm_peer import ensure_vllm_venv, vllm_environment
+    from vlmspec.reference import reference_target_dir
+
+    python = ensure_vllm_venv(DEFAULT_VLLM_VENV)
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(reference_target_dir())]
+    command += ["--served-model-name", "bench", "--dtype", args.dtype, "--port", str(port), "--max-model-len", "2048"]
+    command += ["--max-num-seqs", str(args.max_batch_size or max(args.levels)), "--seed", "0"]
+    command += ["--gpu-memory-utilization", "0.3"]  # on a CPU: the share of RAM to reserve
+    command += ["--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0})]
+    log_file = open(out / "server-vllm.log", "w")  # closed by ServerProcess.stop
+    process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=vllm_environment(args.threads))
+    return ServerProcess("vllm", f"http://127.0.0.1:{port}", process, log_file)
 
 
 def wait_ready(server: ServerProcess, timeout: float) -> None:
