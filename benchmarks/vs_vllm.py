@@ -1,5 +1,9 @@
 """vlmspec against what a user would run instead, in one run: transformers' generate() and vLLM's CPU build.
 
+transformers runs plain and with its prompt lookup (``prompt_lookup_num_tokens=10``,
+``max_matching_ngram_size=2``, the values of its documentation's example); vLLM plain and
+with its n-gram speculation.
+
 Batch 1, greedy, the held-out text mix (the first GSM8K and MT-Bench questions, which
 no drafter trained on: ``recipes/reference_prompts.py`` takes its prompts after them).
 Every variant answers the same prompt tokens; the vlmspec variants and ``generate()``
@@ -72,21 +76,12 @@ def main(argv: Sequence[str] | None = None) -> Path:
     engine = SpecEngine(target, load_proposer("reference", target), scheduler)
     dspark = SpecEngine(target, load_proposer("reference-dspark", target), scheduler)
     inputs = [target.build_inputs(None, task.prompt) for task in tasks]
-    eos = list(target.eos_token_ids)
 
-    def hf_generate(i: int) -> list[int]:
-        with torch.inference_mode():
-            output = target.model.generate(
-                **inputs[i].model_kwargs,
-                max_new_tokens=args.max_new_tokens,
-                do_sample=False,
-                eos_token_id=eos,
-                pad_token_id=eos[0],
-                temperature=None,
-                top_k=None,
-                top_p=None,
-            )
-        return output[0, inputs[i].length :].tolist()
+    def hf_generate(**options):
+        def run(i: int) -> list[int]:
+            return target.generate_greedy(inputs[i], args.max_new_tokens, **options)
+
+        return run
 
     def vlmspec_run(decode: str, speculative: bool, host: SpecEngine = engine):
         def run(i: int) -> list[int]:
@@ -97,7 +92,8 @@ def main(argv: Sequence[str] | None = None) -> Path:
         return run
 
     variants = {
-        "transformers generate()": hf_generate,
+        "transformers generate()": hf_generate(),
+        "transformers prompt lookup": hf_generate(prompt_lookup_num_tokens=10, max_matching_ngram_size=2),
         "vlmspec target alone (reference forward)": vlmspec_run("reference", False),
         ALONE: vlmspec_run("fast", False),
         "vlmspec + DSpark every round, SPS": vlmspec_run("fast", True, dspark),

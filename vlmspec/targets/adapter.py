@@ -386,10 +386,11 @@ class QwenVLTarget:
 
     # ---------------------------------------------------------------- internals
     @torch.inference_mode()
-    def generate_greedy(self, inputs: TargetInputs, max_new_tokens: int) -> list[int]:  # -> new token ids
+    def generate_greedy(self, inputs: TargetInputs, max_new_tokens: int, **options) -> list[int]:  # -> new ids
         """transformers' own ``generate()``, greedy, stopping on this target's EOS ids: the baseline users know.
 
-        Any sampling settings in the checkpoint's generation config are overridden.
+        Any sampling settings in the checkpoint's generation config are overridden; ``options``
+        go to ``generate()`` (e.g. ``prompt_lookup_num_tokens``: transformers' prompt lookup).
         """
         eos = list(self.eos_token_ids)
         output = self.model.generate(
@@ -403,6 +404,7 @@ class QwenVLTarget:
             repetition_penalty=1.0,
             eos_token_id=eos,
             pad_token_id=eos[0],
+            **options,
         )
         return output[0, inputs.length :].tolist()
 
