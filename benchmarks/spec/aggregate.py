@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from benchmarks.common import safe_ratio, summarize
@@ -86,18 +86,30 @@ def _identical_count(results: Sequence[QuestionResult], variant: str) -> dict[st
 
 
 def summarize_results(results: Sequence[QuestionResult], variants: Sequence[str]) -> dict[str, Any]:
-    """Totals over all questions, per workload, and per (workload, group) where groups are finer."""
+    """Totals over all questions, per workload, and per (workload, group) where groups are finer.
+
+    ``text`` pools the text-only workloads (the held-out text mix) when images are asked
+    about too; None otherwise, where it would repeat ``all``.
+    """
     by_workload: dict[str, list[QuestionResult]] = defaultdict(list)
     by_group: dict[str, list[QuestionResult]] = defaultdict(list)
     for r in results:
         by_workload[r.task.workload].append(r)
         if r.task.group != r.task.workload:
             by_group[f"{r.task.workload}/{r.task.group}"].append(r)
+    text = [r for r in results if not r.task.images]
     return {
         "all": aggregate(results, variants),
+        "text": aggregate(text, variants) if text and len(text) < len(results) else None,
         "by_workload": {k: aggregate(v, variants) for k, v in by_workload.items()},
         "by_group": {k: aggregate(v, variants) for k, v in sorted(by_group.items())},
     }
+
+
+def workload_rows(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """The rows of the per-workload tables: each workload, then the pooled text mix (if any), then all."""
+    pooled = {"all text": summary["text"]} if summary.get("text") else {}
+    return {**summary["by_workload"], **pooled, "all": summary["all"]}
 
 
 def question_record(result: QuestionResult) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from benchmarks.common import (
     write_json,
     write_text,
 )
-from benchmarks.spec.aggregate import TIME_PARTS, question_record, summarize_results
+from benchmarks.spec.aggregate import TIME_PARTS, question_record, summarize_results, workload_rows
 from benchmarks.spec.loop import Benchmark, describe_difference
 from benchmarks.spec.peers import Peer
 from benchmarks.spec.runs import QuestionResult, Settings, parse_key_values
@@ -194,17 +194,17 @@ def render_markdown(report: Mapping[str, Any], results: Sequence[QuestionResult]
         f"torch {report['environment'].get('torch')} / transformers {report['environment'].get('transformers')}",
         f"- **Lossless:** {v['identity']}\n- **Answers:** {v['answers']}\n- **Speed:** {speed_sentence(v)}",
         "## Summary by workload",
-        summary_table({**summary["by_workload"], "all": summary["all"]}, "workload"),
+        summary_table(workload_rows(summary), "workload"),
     ]
     if summary["by_group"]:
         parts += ["## By category", summary_table(summary["by_group"], "category")]
     parts += [
         "## Acceptance by draft position",
         "Rate at which draft position k survived verification, over the rounds that verified it; tau = accepted + 1 per round.",
-        acceptance_table({**summary["by_workload"], "all": summary["all"]}),
+        acceptance_table(workload_rows(summary)),
         "## Time split (seconds summed over questions)",
         "engine = the loop's own overhead outside the two models; inputs = image and prompt processing before the loop.",
-        time_split_table({**summary["by_workload"], "all": summary["all"]}),
+        time_split_table(workload_rows(summary)),
         "## transformers peers (same model, same inputs, same run)",
         peers_table(peers, summary["all"]),
     ]
@@ -225,7 +225,7 @@ def render_markdown(report: Mapping[str, Any], results: Sequence[QuestionResult]
 
 def write_plots(summary: Mapping[str, Any], out: Path) -> list[Path]:
     """acceptance_by_position.png, speedup.png (by workload and category), tokens_per_s.png, time_split.png."""
-    workloads = {**summary["by_workload"], "all": summary["all"]}
+    workloads = workload_rows(summary)
     paths = [
         plot_lines(
             out / "acceptance_by_position.png",
@@ -350,7 +350,7 @@ def render_summary(report: Mapping[str, Any], peers: Sequence[Peer]) -> str:
     lines = [f"lossless: {v['identity']}", f"answers: {v['answers']}", f"speed: {speed_sentence(v)}"]
     lines += [
         "",
-        summary_table({**summary["by_workload"], "all": summary["all"]}, "workload"),
+        summary_table(workload_rows(summary), "workload"),
         "",
         peers_table(peers, summary["all"]),
     ]

@@ -57,13 +57,38 @@ def test_an_idle_source_is_probed_then_judged_on_what_it_showed():
     policy = DraftingPolicy(COSTS, probe_every=3)
     seen = evidence(policy, model=0.1, ngram=0.0)
     choices = []
-    for _ in range(8):
+    for _ in range(5):
         chosen = policy.choose(seen, {"model": 7, "ngram": 0})
         choices.append(chosen)
         policy.observe(seen, chosen, accepted=0 if chosen == "model" else None)
-    assert choices[:3] == [NONE] * 3 and choices[3] == "model"  # after 3 idle rounds: one probe
-    assert choices[4:7] == [NONE] * 3 and choices[7] == "model"
-    assert seen["model"].rounds == 2 and seen["model"].accepted < 0.1  # the probes' zeros pulled it down
+    assert choices == [NONE] * 3 + ["model", NONE]  # after 3 idle rounds: one probe
+    assert seen["model"].rounds == 1 and seen["model"].accepted < 0.1  # the probe's zero pulled it down
+
+
+def probe_rounds(policy: DraftingPolicy, rounds: int, survived_at: frozenset[int] = frozenset()) -> list[int]:
+    """The rounds at which ``policy`` probes a source not worth drafting; probes at ``survived_at`` accept 2."""
+    seen = evidence(policy, model=0.0, ngram=0.0)
+    probes = []
+    for round_index in range(rounds):
+        chosen = policy.choose(seen, {"model": 7, "ngram": 0})
+        if chosen == "model":
+            probes.append(round_index)
+        accepted = (2 if round_index in survived_at else 0) if chosen == "model" else None
+        policy.observe(seen, chosen, accepted)
+        seen["model"].accepted = 0.0  # keep it not worth drafting on merit: only probes draft
+    return probes
+
+
+def test_probes_of_a_source_that_keeps_failing_thin_out_up_to_the_longest_wait():
+    policy = DraftingPolicy(COSTS, probe_every=3, max_probe_every=12)
+    # waits 3, 6, 12, 12: a failed probe doubles the wait, up to max_probe_every
+    assert probe_rounds(policy, 50) == [3, 10, 23, 36, 49]
+
+
+def test_a_probe_whose_draft_survived_brings_the_wait_back_to_probe_every():
+    policy = DraftingPolicy(COSTS, probe_every=3, max_probe_every=12)
+    # the probe at round 10 accepts drafts: the next wait is 3 again, then doubles from there
+    assert probe_rounds(policy, 30, survived_at=frozenset({10})) == [3, 10, 14, 21]
 
 
 def test_costs_come_from_a_measured_table():
@@ -75,6 +100,8 @@ def test_costs_come_from_a_measured_table():
 def test_bad_settings_are_refused_with_what_to_pass():
     with pytest.raises(ValueError, match="smoothing"):
         DraftingPolicy(COSTS, smoothing=0.0)
+    with pytest.raises(ValueError, match="max_probe_every"):
+        DraftingPolicy(COSTS, probe_every=16, max_probe_every=8)
     with pytest.raises(ValueError, match="verify_steps"):
         DraftCosts(verify_steps=(), draft_steps={})
 

@@ -13,7 +13,11 @@ each way to run the round, in units of one target step ``T(1)``:
 ``a_s`` is what earlier rounds of the same request showed (an exponential average of the
 accepted drafts of the rounds that drafted from ``s``, starting from a prior), and the
 costs come from the SPS table (:class:`DraftCosts`). A source not chosen for
-``probe_every`` rounds is tried once (its evidence would otherwise never change).
+``probe_every`` rounds is tried once (its evidence would otherwise never change). A probe
+costs a drafting round, so a source whose last round had no draft survive waits twice as
+long before the next one (up to ``max_probe_every``), and one whose draft survived goes back
+to ``probe_every``: on a request where a source never pays, its probes thin out
+geometrically instead of costing one round in ``probe_every`` for the whole answer.
 
 **Non-anticipation** (§9, applied to drafting): every input of :func:`choose_source` is
 known before the round's drafts are sampled: the evidence of earlier rounds, the costs,
@@ -66,6 +70,7 @@ class SourceEvidence:
     """What earlier rounds of one request showed about one draft source."""
 
     accepted: float  # expected accepted drafts per round it drafts (exponential average, from a prior)
+    wait: int  # idle rounds after which it is probed: grows after rounds where nothing survived
     rounds: int = 0  # rounds it has drafted for this request
     idle: int = 0  # rounds since it last drafted
 
@@ -76,27 +81,33 @@ class DraftingPolicy:
 
     ``priors``: accepted drafts per round each source is credited with before any evidence;
     ``smoothing``: weight of the newest round in the average; ``probe_every``: a source
-    idle this many rounds is tried once.
+    idle this many rounds is tried once; ``max_probe_every``: the longest wait between
+    probes of a source whose drafts keep failing (the wait doubles after each such round).
     """
 
     costs: DraftCosts
     priors: Mapping[str, float] = field(default_factory=dict)
     smoothing: float = 0.3
     probe_every: int = 16
+    max_probe_every: int = 64
 
     def __post_init__(self) -> None:
         if not 0.0 < self.smoothing <= 1.0:
             raise ValueError(f"smoothing must lie in (0, 1], got {self.smoothing}")
         if self.probe_every < 1:
             raise ValueError(f"probe_every must be >= 1 round, got {self.probe_every}")
+        if self.max_probe_every < self.probe_every:
+            raise ValueError(
+                f"max_probe_every ({self.max_probe_every}) must be >= probe_every ({self.probe_every}) rounds"
+            )
 
     def new_evidence(self, sources: Sequence[str]) -> dict[str, SourceEvidence]:
         """A request's evidence before its first round: the priors."""
-        return {source: SourceEvidence(float(self.priors.get(source, 1.0))) for source in sources}
+        return {source: SourceEvidence(float(self.priors.get(source, 1.0)), self.probe_every) for source in sources}
 
     def choose(self, evidence: Mapping[str, SourceEvidence], offers: Mapping[str, int]) -> str:
         """The source to draft from this round, or :data:`NONE`. ``offers``: source -> drafts it can give (> 0)."""
-        return choose_source(evidence, offers, self.costs, self.probe_every)
+        return choose_source(evidence, offers, self.costs)
 
     def observe(self, evidence: Mapping[str, SourceEvidence], chosen: str, accepted: int | None) -> None:
         """Record a finished round: ``chosen`` drafted and ``accepted`` of its drafts survived (None: unknown)."""
@@ -106,6 +117,7 @@ class DraftingPolicy:
             seen = evidence[chosen]
             seen.accepted += self.smoothing * (accepted - seen.accepted)
             seen.rounds += 1
+            seen.wait = self.probe_every if accepted > 0 else min(2 * seen.wait, self.max_probe_every)
 
 
 def planned_drafts(accepted: float, offered: int) -> int:
@@ -130,15 +142,14 @@ def choose_source(
     evidence: Mapping[str, SourceEvidence],
     offers: Mapping[str, int],
     costs: DraftCosts,
-    probe_every: int,
 ) -> str:
     """The offered source with the fewest expected target steps per token, if fewer than the target alone's 1.
 
-    A source idle for ``probe_every`` rounds or more is chosen to refresh its evidence
-    (the most idle first). Only sources in ``offers`` with at least one draft compete.
+    A source idle for its ``wait`` rounds or more is chosen to refresh its evidence (the
+    most idle first). Only sources in ``offers`` with at least one draft compete.
     """
     offered = {source: n for source, n in offers.items() if n > 0 and source in evidence}
-    overdue = [s for s in offered if evidence[s].idle >= probe_every]
+    overdue = [s for s in offered if evidence[s].idle >= evidence[s].wait]
     if overdue:
         return max(overdue, key=lambda s: evidence[s].idle)
     best, best_cost = NONE, costs.verify(1)
