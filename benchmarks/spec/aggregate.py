@@ -48,6 +48,7 @@ def aggregate(results: Sequence[QuestionResult], variants: Sequence[str]) -> dic
         "mean_verified_length": pooled.mean_verified_length if pooled.rounds else None,
         "acceptance_by_position": pooled.acceptance_by_position,
         "verified_by_position": pooled.verified_by_position,
+        "rounds_by_source": dict(sorted(pooled.rounds_by_source.items())),  # empty unless the proposer chooses
         "time_split_s": {v: _time_split(results, v) for v in ("target", "vlmspec")},
         "accuracy": {v: _accuracy(results, v) for v in variants},
         "identical_to_target": {v: _identical_count(results, v) for v in variants if v != "target"},

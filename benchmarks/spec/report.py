@@ -125,6 +125,19 @@ def acceptance_table(rows: Mapping[str, Mapping[str, Any]]) -> str:
     return markdown_table(headers, lines)
 
 
+def sources_table(rows: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """The drafting policy's decisions: the share of vlmspec's rounds per draft source ("none": no drafts)."""
+    sources = sorted({source for t in rows.values() for source in t.get("rounds_by_source", {})})
+    if not sources:
+        return None  # the proposer drafts every round from one source
+    lines = []
+    for name, t in rows.items():
+        counts = t.get("rounds_by_source", {})
+        total = sum(counts.values())
+        lines.append([name, total, *(f"{counts.get(s, 0) / total:.0%}" if total else "–" for s in sources)])
+    return markdown_table(["workload", "rounds", *sources], lines)
+
+
 def time_split_table(rows: Mapping[str, Mapping[str, Any]]) -> str:
     headers = ["workload", "run", "prefill s", "draft s", "verify s", "engine s", "inputs s", "wall s", "ms / token"]
     lines = []
@@ -202,6 +215,14 @@ def render_markdown(report: Mapping[str, Any], results: Sequence[QuestionResult]
         "## Acceptance by draft position",
         "Rate at which draft position k survived verification, over the rounds that verified it; tau = accepted + 1 per round.",
         acceptance_table(workload_rows(summary)),
+    ]
+    if decisions := sources_table(workload_rows(summary)):
+        parts += [
+            "## Drafting decisions",
+            "Share of vlmspec's rounds by draft source, as the drafting policy chose them (none: the target alone).",
+            decisions,
+        ]
+    parts += [
         "## Time split (seconds summed over questions)",
         "engine = the loop's own overhead outside the two models; inputs = image and prompt processing before the loop.",
         time_split_table(workload_rows(summary)),

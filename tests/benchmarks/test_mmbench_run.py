@@ -172,3 +172,45 @@ def test_tiny_end_to_end_run_writes_json_table_plots_and_shows_zero_greedy_diffe
     for name in ("acceptance_by_position", "speedup", "tokens_per_s", "time_split"):
         with Image.open(out / f"{name}.png") as image:
             assert image.format == "PNG"
+
+
+class _ChoosingEngine(_StubEngine):
+    """Like _StubEngine, with a proposer that chose a source per round (text: n-gram then none; images: model)."""
+
+    def generate(self, images, prompt, **kwargs):
+        result = super().generate(images, prompt, **kwargs)
+        if kwargs["speculative"]:
+            result.stats.rounds_by_source = {"model": 1} if images else {"ngram": 1, "none": 3}
+        return result
+
+
+def test_the_text_mix_is_pooled_and_the_policy_decisions_are_tabled_per_workload():
+    bench = Benchmark(_ChoosingEngine(), Settings(max_new_tokens=3), [], show_progress=False)
+    picture = Image.new("RGB", (8, 8))
+    tasks = [
+        Task("gsm8k", "gsm8k-0", "gsm8k", "same"),
+        Task("mt-bench", "mt-bench-0", "mt-bench", "same"),
+        Task("photos", "photos-0", "photos", "same", images=(picture,)),
+    ]
+    summary = summarize_results(bench.run(tasks), ["target", "vlmspec"])
+    assert summary["text"]["questions"] == 2 and summary["all"]["questions"] == 3
+    assert summary["text"]["rounds_by_source"] == {"ngram": 2, "none": 6}
+    assert summary["all"]["rounds_by_source"] == {"model": 1, "ngram": 2, "none": 6}
+    report = {
+        "settings": {"target": "stub", "drafter": "stub", "scheduler": "none", "temperature": 0.0},
+        "environment": {},
+        "verdict": verdict(summary, Settings()),
+        "summary": summary,
+        "problems": [],
+    }
+    report["settings"].update(max_new_tokens=3, seed=0)
+    markdown = render_markdown(report, [], [])
+    assert "| all text | 2 |" in markdown
+    assert "## Drafting decisions" in markdown and "| photos | 1 | 100% | 0% | 0% |" in markdown
+    assert "| all text | 8 | 0% | 25% | 75% |" in markdown
+
+
+def test_a_text_only_run_has_no_separate_text_row():
+    bench = Benchmark(_StubEngine(), Settings(max_new_tokens=3), [], show_progress=False)
+    summary = summarize_results(bench.run([Task("gsm8k", "gsm8k-0", "gsm8k", "same")]), ["target", "vlmspec"])
+    assert summary["text"] is None and summary["all"]["rounds_by_source"] == {}
