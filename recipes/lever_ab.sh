@@ -13,17 +13,17 @@
 # Two arms train at a time, one thread each; every arm resumes from its newest checkpoint
 # when the script is started again. Read the result with learning_curve.py's table
 # (teacher-forced tau on each arm's held-out cached answers; the sampled arm's are sampled
-# answers) and with each arm's report.json (free-running greedy tau on the same 16
-# held-out prompts, the number that compares all four).
+# answers) and with the free-running greedy tau on the same 16 held-out prompts that each
+# arm prints at the end (the number that compares all four; the script repeats it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source recipes/reference_mix.sh
 RUN="${RUN:-$HOME/.cache/vlmspec/runs/lever-ab}"
 STEPS="${STEPS:-400}"
 PROMPTS="${PROMPTS:-1200}"
 
 if [[ ! -f "$RUN/prompts/prompts.jsonl" ]]; then
-  python3 recipes/reference_prompts.py --out "$RUN/prompts" --instructions 1600 --wide-instructions 24000 \
-      --code 8000 --maths 6000 --followup-fraction 0.25 --easy-vqa 3000
+  python3 recipes/reference_prompts.py --out "$RUN/prompts" "${REFERENCE_MIX[@]}"
 fi
 
 COMMON=(--target reference --prompts "$RUN/prompts/prompts.jsonl" --num-prompts "$PROMPTS" --heldout-prompts 16

@@ -23,12 +23,12 @@
 #      vlmspec/assets/reference-drafter/ (only when SHIP=1: commit the weights once, when final).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source recipes/reference_mix.sh
 RUN="${RUN:-$HOME/.cache/vlmspec/runs/reference-10x}"
 STEPS="${STEPS:-40000}"
 
 if [[ ! -f "$RUN/prompts/prompts.jsonl" ]]; then
-  python3 recipes/reference_prompts.py --out "$RUN/prompts" --instructions 1600 --wide-instructions 24000 \
-      --code 8000 --maths 6000 --followup-fraction 0.25 --easy-vqa 3000
+  python3 recipes/reference_prompts.py --out "$RUN/prompts" "${REFERENCE_MIX[@]}"
 fi
 
 COMMON=(--target reference --prompts "$RUN/prompts/prompts.jsonl" --heldout-prompts 16

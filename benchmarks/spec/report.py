@@ -127,12 +127,12 @@ def acceptance_table(rows: Mapping[str, Mapping[str, Any]]) -> str:
 
 def sources_table(rows: Mapping[str, Mapping[str, Any]]) -> str | None:
     """The drafting policy's decisions: the share of vlmspec's rounds per draft source ("none": no drafts)."""
-    sources = sorted({source for t in rows.values() for source in t.get("rounds_by_source", {})})
+    sources = sorted({source for t in rows.values() for source in t["rounds_by_source"]})
     if not sources:
         return None  # the proposer drafts every round from one source
     lines = []
     for name, t in rows.items():
-        counts = t.get("rounds_by_source", {})
+        counts = t["rounds_by_source"]
         total = sum(counts.values())
         lines.append([name, total, *(f"{counts.get(s, 0) / total:.0%}" if total else "–" for s in sources)])
     return markdown_table(["workload", "rounds", *sources], lines)
@@ -200,6 +200,7 @@ def questions_table(results: Sequence[QuestionResult]) -> str:
 def render_markdown(report: Mapping[str, Any], results: Sequence[QuestionResult], peers: Sequence[Peer]) -> str:
     """The whole report as markdown: verdict, summary, breakdowns, peers, differences, every question."""
     s, v, summary = report["settings"], report["verdict"], report["summary"]
+    rows = workload_rows(summary)
     parts = [
         "# Speculative decoding benchmark",
         f"target `{s['target']}` · drafter `{s['drafter']}` · scheduler `{s['scheduler']}` · "
@@ -207,16 +208,16 @@ def render_markdown(report: Mapping[str, Any], results: Sequence[QuestionResult]
         f"torch {report['environment'].get('torch')} / transformers {report['environment'].get('transformers')}",
         f"- **Lossless:** {v['identity']}\n- **Answers:** {v['answers']}\n- **Speed:** {speed_sentence(v)}",
         "## Summary by workload",
-        summary_table(workload_rows(summary), "workload"),
+        summary_table(rows, "workload"),
     ]
     if summary["by_group"]:
         parts += ["## By category", summary_table(summary["by_group"], "category")]
     parts += [
         "## Acceptance by draft position",
         "Rate at which draft position k survived verification, over the rounds that verified it; tau = accepted + 1 per round.",
-        acceptance_table(workload_rows(summary)),
+        acceptance_table(rows),
     ]
-    if decisions := sources_table(workload_rows(summary)):
+    if decisions := sources_table(rows):
         parts += [
             "## Drafting decisions",
             "Share of vlmspec's rounds by draft source, as the drafting policy chose them (none: the target alone).",
@@ -225,7 +226,7 @@ def render_markdown(report: Mapping[str, Any], results: Sequence[QuestionResult]
     parts += [
         "## Time split (seconds summed over questions)",
         "engine = the loop's own overhead outside the two models; inputs = image and prompt processing before the loop.",
-        time_split_table(workload_rows(summary)),
+        time_split_table(rows),
         "## transformers peers (same model, same inputs, same run)",
         peers_table(peers, summary["all"]),
     ]
