@@ -57,8 +57,10 @@ from vlmspec.training import (
     target_fingerprint,
 )
 from vlmspec.training.calibrate import write_report
+from vlmspec.training.losses import FOCUS_KINDS
 from vlmspec.training.online import OnlineFeatures
 from vlmspec.training.trainer import resolve_mixed_precision
+from vlmspec.training.warm_start import init_from_target_layers, target_layer_shape
 
 # ----------------------------------------------------------------------------- options
 
@@ -168,6 +170,12 @@ def _drafter_options(group) -> None:
     add("--confidence-without-markov", action="store_true", help="confidence head over h_k only")
     add("--feature-layers", default=None, help="target layers to hook, e.g. 1,9,17,25,33 (default: 5 evenly spaced)")
     add("--position-rule", default="interpolate", choices=("interpolate", "temporal"), help="vision token positions")
+    add(
+        "--init-from-target",
+        action="store_true",
+        help="start the drafter's layers from the target's last decoder layers, in the target's layer shape, "
+        "with the feature projection passing the deepest hooked layer through (vlmspec.training.warm_start)",
+    )
 
 
 def _training_options(group) -> None:
@@ -183,6 +191,12 @@ def _training_options(group) -> None:
     add("--max-grad-norm", type=float, default=1.0)
     add("--loss-weights", default="0.1,0.9,1.0", help="CE,TV,confidence")
     add("--loss-decay", type=float, default=4.0, help="position weights exp(-(k-1)/decay)")
+    add(
+        "--loss-focus",
+        default="decay",
+        choices=FOCUS_KINDS,
+        help="first-error: also weight each position by the chance the block reaches it (no gradient)",
+    )
     add("--chunk-tokens", type=int, default=1024, help="block positions per LM-head chunk (bounds memory)")
     add("--attention", default="auto", choices=("auto", "sdpa", "flex"), help="packed attention (auto: flex on CUDA)")
     add("--mixed-precision", default="auto", choices=("auto", "no", "bf16", "fp16"), help="auto: bf16 where supported")
@@ -235,6 +249,8 @@ def drafter_config(args: argparse.Namespace, target) -> DSparkConfig:
         "head_dim": args.draft_head_dim,
         "intermediate_size": args.draft_intermediate,
     }
+    if args.init_from_target:  # the target's layer shape; explicit --draft-* options still win (and are refused)
+        overrides.update(target_layer_shape(target))
     overrides.update({key: value for key, value in optional.items() if value is not None})
     if args.feature_layers:
         overrides["target_layer_ids"] = tuple(int(x) for x in args.feature_layers.split(","))
@@ -282,7 +298,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         min_lr_ratio=args.min_lr_ratio,
         weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm,
-        loss=LossWeights(ce, tv, confidence, args.loss_decay),
+        loss=LossWeights(ce, tv, confidence, args.loss_decay, args.loss_focus),
         chunk_tokens=args.chunk_tokens,
         attention=args.attention,
         context_window=args.context_window,
@@ -296,11 +312,17 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     )
 
 
-def new_drafter(target, config: DSparkConfig, seed: int) -> DSparkDrafter:
-    """A freshly initialised drafter; the init is seeded so a resumed run rebuilds the same one."""
+def new_drafter(target, config: DSparkConfig, seed: int, from_target_layers: bool = False) -> DSparkDrafter:
+    """A freshly initialised drafter; the init is seeded so a resumed run rebuilds the same one.
+
+    ``from_target_layers``: warm-start its layers from the target's last ones (``--init-from-target``).
+    """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return DSparkDrafter.from_target(target, config)
+        drafter = DSparkDrafter.from_target(target, config)
+    if from_target_layers:
+        init_from_target_layers(drafter, target)
+    return drafter
 
 
 def build_target_cache(args, accelerator, target, items, spec: CacheSpec, cache_dir: Path) -> dict[str, Any]:
@@ -425,6 +447,8 @@ def main(argv: list[str] | None = None, *, target=None) -> dict[str, Any]:
     report: dict[str, Any] = {
         "target": args.target,
         "drafter_config": config.to_dict(),
+        "init_from_target": args.init_from_target,
+        "loss_focus": args.loss_focus,
         "train_prompts": len(train_items),
         "heldout_prompts": len(heldout_items),
     }
@@ -442,7 +466,7 @@ def main(argv: list[str] | None = None, *, target=None) -> dict[str, Any]:
     else:
         data = OnlineFeatures(cache, regeneration_target(args, target, accelerator), config.target_layer_ids)
 
-    drafter = new_drafter(target, config, args.seed)
+    drafter = new_drafter(target, config, args.seed, from_target_layers=args.init_from_target)
     if config.draft_vocab_size is not None:
         report["draft_vocabulary"] = choose_draft_vocabulary(drafter, cache, target)
     if accelerator.is_main_process and heldout_items and not args.skip_untrained_eval:

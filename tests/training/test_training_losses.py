@@ -9,6 +9,7 @@ import torch
 from training_helpers import tiny_drafter
 
 from vlmspec.training import LossWeights, block_terms, position_terms, position_weights, reduce_terms
+from vlmspec.training.losses import reach_probability
 
 # One block of two positions over a vocabulary of three.
 # p_d = (.5, .3, .2) then uniform; p_t = (.2, .3, .5) then uniform
@@ -52,6 +53,29 @@ def test_weighted_masked_sums_by_hand():
     assert sums.count.tolist() == [2.0, 1.0] and sums.acceptance.tolist() == pytest.approx([1.4, 1.0])
 
 
+def test_first_error_focus_weights_each_position_by_its_reach_probability():
+    terms = position_terms(DRAFT, TARGET, LABELS, CONFIDENCE)  # c* = 0.7, 1.0
+    valid = torch.ones(1, 2, dtype=torch.bool)
+    decay = reduce_terms(terms, valid, LossWeights(decay=4.0))
+    focused = reduce_terms(terms, valid, LossWeights(decay=4.0, focus="first-error"))
+    w2 = math.exp(-1 / 4)
+    # position 1 is always reached; position 2 only when position 1 is accepted (0.7)
+    torch.testing.assert_close(reach_probability(terms.acceptance), torch.tensor([[1.0, 0.7]]))
+    torch.testing.assert_close(focused.weight, torch.tensor(1 + 0.7 * w2))
+    ce = [-math.log(0.2), math.log(3.0)]
+    torch.testing.assert_close(focused.ce, torch.tensor(ce[0] + 0.7 * w2 * ce[1]))
+    torch.testing.assert_close(decay.ce, torch.tensor(ce[0] + w2 * ce[1]))
+    # the focus moves weight, not the diagnostics
+    torch.testing.assert_close(focused.expected_tau, decay.expected_tau)
+
+
+def test_first_error_focus_sends_no_gradient_through_the_weights():
+    draft = DRAFT.clone().requires_grad_(True)
+    terms = position_terms(draft, TARGET, LABELS, CONFIDENCE)
+    sums = reduce_terms(terms, torch.ones(1, 2, dtype=torch.bool), LossWeights(focus="first-error"))
+    assert not sums.weight.requires_grad  # the denominator is a constant of the step
+
+
 def test_no_confidence_head_means_no_confidence_term():
     terms = position_terms(DRAFT, TARGET, LABELS, None)
     assert torch.equal(terms.bce, torch.zeros(1, 2))
@@ -83,3 +107,5 @@ def test_bad_loss_weights_are_refused():
         LossWeights(0, 0, 0)
     with pytest.raises(ValueError, match="decay"):
         LossWeights(decay=0)
+    with pytest.raises(ValueError, match="first-error"):
+        LossWeights(focus="first_error")

@@ -202,6 +202,16 @@ class QwenVLTarget:
         return len(self._layers)
 
     @property
+    def decoder_layers(self) -> nn.ModuleList:
+        """The language model's decoder layers (read-only use: hooks, a drafter's warm start)."""
+        return self._layers
+
+    @property
+    def text_config(self):
+        """The language model's transformers config (layer shapes, norm eps, rope)."""
+        return self._text_config
+
+    @property
     def rope_theta(self) -> float:
         return float(self._text_config.rope_parameters.get("rope_theta", 10000.0))
 

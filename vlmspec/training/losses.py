@@ -12,6 +12,10 @@ frozen LM head over the cached final-norm target state):
 ``w_k = exp(-(k - 1) / decay)`` and ``valid`` the contiguous supervised prefix of each block
 (defaults a = 0.1 / 0.9 / 1.0, decay 4).
 
+First-error focus (``focus="first-error"``) multiplies ``w_k`` by the chance that the block
+reaches position k, ``prod_{i<k} c*_i`` (no gradient): a position behind a likely
+rejection is rarely verified, so the loss spends its weight where the first error falls.
+
 Memory: ``blocks x gamma x vocabulary`` floats are large (64 anchors x 7 x 151,936 x 4 B =
 272 MB per tensor per sequence), so the vocabulary-wide work runs over chunks of at
 most ``chunk_tokens`` positions, each under activation checkpointing: only one chunk's
@@ -28,26 +32,38 @@ from torch.utils.checkpoint import checkpoint
 
 from vlmspec.drafters.dspark import DSparkDrafter
 
+#: How the position weights are focused (see the module docstring).
+FOCUS_KINDS = ("decay", "first-error")
+
 
 @dataclass(frozen=True)
 class LossWeights:
-    """Mixing weights of the three terms and the decay of the position weights."""
+    """Mixing weights of the three terms, the decay of the position weights and their focus."""
 
     ce: float = 0.1
     tv: float = 0.9
     confidence: float = 1.0
     decay: float = 4.0
+    focus: str = "decay"  # one of FOCUS_KINDS: "decay" alone, or "first-error" (times the reach probability)
 
     def __post_init__(self) -> None:
         if min(self.ce, self.tv, self.confidence) < 0 or self.ce + self.tv + self.confidence == 0:
             raise ValueError(f"loss weights must be >= 0 and not all zero, got {self}")
         if not self.decay > 0:
             raise ValueError(f"the position-weight decay must be > 0, got {self.decay}")
+        if self.focus not in FOCUS_KINDS:
+            raise ValueError(f"loss focus must be one of {', '.join(FOCUS_KINDS)}, got {self.focus!r}")
 
 
 def position_weights(block_size: int, decay: float, device: torch.device | str = "cpu") -> torch.Tensor:  # [G]
     """``w_k = exp(-(k - 1) / decay)`` for k = 1..block_size."""
     return torch.exp(-torch.arange(block_size, device=device, dtype=torch.float32) / decay)
+
+
+def reach_probability(acceptance: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N, G]
+    """``prod_{i<k} c*_i``: the chance each position is reached (1 at the first), without gradient."""
+    survival = torch.cumprod(acceptance.detach(), dim=1)
+    return torch.cat((torch.ones_like(survival[:, :1]), survival[:, :-1]), dim=1)
 
 
 @dataclass
@@ -142,6 +158,8 @@ class LossSums:
 def reduce_terms(terms: PositionTerms, valid: torch.Tensor, weights: LossWeights) -> LossSums:
     """Weight and mask per-position terms (valid [N, G] bool, a contiguous prefix per block)."""
     w = position_weights(valid.shape[1], weights.decay, valid.device) * valid  # [N, G]
+    if weights.focus == "first-error":
+        w = w * reach_probability(terms.acceptance)
     mask = valid.float()
     full = valid.all(dim=1)  # [N]
     survival = torch.cumprod(terms.acceptance, dim=1).sum(dim=1) + 1  # [N]

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from vlmspec.drafters.dspark import DSparkDrafter
 from vlmspec.training.attention import checked_flex, packed_hidden, resolve_attention
 from vlmspec.training.cache import TargetCache
-from vlmspec.training.losses import LossSums, LossWeights, block_terms, position_weights, reduce_terms
+from vlmspec.training.losses import LossSums, LossWeights, block_terms, reduce_terms
 from vlmspec.training.packing import PackedBatch, PackedDataset, collate
 from vlmspec.training.schedule import EpochSampler, warmup_cosine
 
@@ -201,7 +201,6 @@ class Trainer:
         self.train_dataset = train_dataset
         self.state = TrainState()
         self.accelerator.register_for_checkpointing(self.state)
-        self.position_weights = position_weights(drafter.block_size, config.loss.decay, self.accelerator.device)
 
     # ------------------------------------------------------------------ set-up
     def _freeze_vocabulary(self, drafter: DSparkDrafter) -> None:
@@ -317,9 +316,9 @@ class Trainer:
             module.attention = checked_flex(self.drafter, batch, module.context_window)
             self._verify_flex = False
         with accelerator.accumulate(self.module):
-            local_weight = (self.position_weights * batch.valid).sum()
-            global_weight = accelerator.reduce(local_weight.detach(), reduction="sum").clamp(min=1e-6)
             sums = LossSums(**self.module(batch))
+            # The denominator is the batch's own weight total: first-error focus makes it data-dependent.
+            global_weight = accelerator.reduce(sums.weight.detach(), reduction="sum").clamp(min=1e-6)
             loss = sums.combined(self.config.loss) * accelerator.num_processes / global_weight
             accelerator.backward(loss)
             stepped = accelerator.sync_gradients
