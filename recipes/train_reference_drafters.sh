@@ -6,6 +6,14 @@
 #
 #   bash recipes/train_reference_drafters.sh            # RUN defaults to ~/.cache/vlmspec/runs/reference-10x
 #
+# Knobs (environment): STEPS (40000); PROMPTS (training prompts, a seeded sample of the mix;
+# default all); CONTENTS (tokens: 9 bytes a token, features computed online; features: the
+# target's states stored, about 6.3 KB a token, steps about 2x faster); ANCHORS (128 anchor
+# blocks a step); LEVERS (more recipe options for both drafters, e.g. "--init-from-target").
+# The drafters shipped in vlmspec/assets/reference-drafter came from
+#   PROMPTS=4096 CONTENTS=features ANCHORS=32 STEPS=... LEVERS=... bash recipes/train_reference_drafters.sh
+# (recipes/README.md, "The reference pair", has the exact values and what they measured).
+#
 # The run outlasts a session: everything lives in RUN, outside the work tree, and every stage
 # resumes where it stopped when the script is started again (on a new machine RUN is empty
 # and the run starts over). Stages:
@@ -26,20 +34,29 @@ cd "$(dirname "$0")/.."
 source recipes/reference_mix.sh
 RUN="${RUN:-$HOME/.cache/vlmspec/runs/reference-10x}"
 STEPS="${STEPS:-40000}"
+CONTENTS="${CONTENTS:-tokens}"
+ANCHORS="${ANCHORS:-128}"
+read -r -a LEVERS <<< "${LEVERS:-}"
+SAMPLE=()
+[[ -n "${PROMPTS:-}" ]] && SAMPLE=(--num-prompts "$PROMPTS")
 
 if [[ ! -f "$RUN/prompts/prompts.jsonl" ]]; then
   python3 recipes/reference_prompts.py --out "$RUN/prompts" "${REFERENCE_MIX[@]}"
 fi
 
-COMMON=(--target reference --prompts "$RUN/prompts/prompts.jsonl" --heldout-prompts 16
-        --dtype float32 --max-new-tokens 256 --temperature 0 --cache "$RUN/cache" --cache-contents tokens
+COMMON=(--target reference --prompts "$RUN/prompts/prompts.jsonl" "${SAMPLE[@]}" --heldout-prompts 16
+        --max-new-tokens 256 --temperature 0 --cache "$RUN/cache" --cache-contents "$CONTENTS"
         --shard-size 256 --regen-dtype bfloat16 --block-size 7 --draft-layers 2 --head-rank 64 --draft-vocab 8192)
 
-python3 recipes/train_qwen3vl.py "${COMMON[@]}" --regen-batch-size 64 --threads 2 --cache-only --out "$RUN/cache-build"
+# The bfloat16 target answers and, for CONTENTS=features, computes the stored states (2-3x faster than
+# float32 here); the float32 target reuses the cache (its fingerprint is dtype-free) for training,
+# held-out tau and calibration.
+python3 recipes/train_qwen3vl.py "${COMMON[@]}" --dtype bfloat16 --regen-batch-size 64 --threads 2 --cache-only \
+    --out "$RUN/cache-build"
 
-TRAIN=(--threads 1 --steps "$STEPS" --batch-size 1 --num-anchors 128 --lr 1e-3 --warmup-ratio 0.01
-       --mixed-precision bf16 --chunk-tokens 1024 --eval-every 1000 --eval-sequences 32 --save-every 250
-       --log-every 50 --eval-max-new-tokens 64 --skip-untrained-eval)
+TRAIN=(--dtype float32 --threads 1 --steps "$STEPS" --batch-size 1 --num-anchors "$ANCHORS" --lr 1e-3
+       --warmup-ratio 0.01 --mixed-precision bf16 --chunk-tokens 1024 --eval-every 1000 --eval-sequences 32
+       --save-every 250 --log-every 50 --eval-max-new-tokens 64 --skip-untrained-eval "${LEVERS[@]}")
 for head in vanilla none; do
   name=$([[ $head == none ]] && echo dflash || echo dspark)
   OMP_NUM_THREADS=1 python3 recipes/train_qwen3vl.py "${COMMON[@]}" "${TRAIN[@]}" --head "$head" \

@@ -56,35 +56,33 @@ FORMATS = ("deepspec", "speculators", "dflash")
 VLMSPEC_META = "vlmspec.json"  # vlmspec-only fields, ignored by the engines
 MAX_POSITIONS = 32768
 
-#: vlmspec state-dict name pattern -> exported name (applied in order, first match wins).
-_RENAMES: tuple[tuple[str, str], ...] = (
-    (r"^backbone\.context_proj\.", "fc."),
-    (r"^backbone\.context_norm\.", "hidden_norm."),
-    (r"^backbone\.norm\.", "norm."),
-    (r"^backbone\.layers\.(\d+)\.input_norm\.", r"layers.\1.input_layernorm."),
-    (r"^backbone\.layers\.(\d+)\.mlp_norm\.", r"layers.\1.post_attention_layernorm."),
-    (r"^backbone\.layers\.(\d+)\.attn\.", r"layers.\1.self_attn."),
-    (r"^backbone\.layers\.(\d+)\.mlp\.", r"layers.\1.mlp."),
-    (r"^head\.embed\.", "markov_head.markov_w1."),
-    (r"^head\.out\.", "markov_head.markov_w2."),
-    (r"^head\.gate\.", "markov_head.gate_proj."),
-    (r"^head\.joint\.", "markov_head.joint_proj."),
-    (r"^confidence\.proj\.", "confidence_head.proj."),
+#: vlmspec state-dict name prefix <-> exported prefix ({i}: a layer index); first match wins.
+_NAME_PAIRS: tuple[tuple[str, str], ...] = (
+    ("backbone.context_proj.", "fc."),
+    ("backbone.context_norm.", "hidden_norm."),
+    ("backbone.norm.", "norm."),
+    ("backbone.layers.{i}.input_norm.", "layers.{i}.input_layernorm."),
+    ("backbone.layers.{i}.mlp_norm.", "layers.{i}.post_attention_layernorm."),
+    ("backbone.layers.{i}.attn.", "layers.{i}.self_attn."),
+    ("backbone.layers.{i}.mlp.", "layers.{i}.mlp."),
+    ("head.embed.", "markov_head.markov_w1."),
+    ("head.out.", "markov_head.markov_w2."),
+    ("head.gate.", "markov_head.gate_proj."),
+    ("head.joint.", "markov_head.joint_proj."),
+    ("confidence.proj.", "confidence_head.proj."),
 )
-_BACK: tuple[tuple[str, str], ...] = (
-    (r"^fc\.", "backbone.context_proj."),
-    (r"^hidden_norm\.", "backbone.context_norm."),
-    (r"^norm\.", "backbone.norm."),
-    (r"^layers\.(\d+)\.input_layernorm\.", r"backbone.layers.\1.input_norm."),
-    (r"^layers\.(\d+)\.post_attention_layernorm\.", r"backbone.layers.\1.mlp_norm."),
-    (r"^layers\.(\d+)\.self_attn\.", r"backbone.layers.\1.attn."),
-    (r"^layers\.(\d+)\.mlp\.", r"backbone.layers.\1.mlp."),
-    (r"^markov_head\.markov_w1\.", "head.embed."),
-    (r"^markov_head\.markov_w2\.", "head.out."),
-    (r"^markov_head\.gate_proj\.", "head.gate."),
-    (r"^markov_head\.joint_proj\.", "head.joint."),
-    (r"^confidence_head\.proj\.", "confidence.proj."),
-)
+
+
+def _rename_rules(pairs: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    """(regex, replacement) rules that turn each pair's first prefix into its second."""
+    index = re.escape("{i}")
+    return tuple(
+        ("^" + re.escape(source).replace(index, r"(\d+)"), target.replace("{i}", r"\1")) for source, target in pairs
+    )
+
+
+_RENAMES = _rename_rules(_NAME_PAIRS)  # vlmspec -> exported
+_BACK = _rename_rules(tuple((exported, ours) for ours, exported in _NAME_PAIRS))  # exported -> vlmspec
 
 
 @dataclass

@@ -200,10 +200,7 @@ class SPSTable:
 
     def save(self, path: str | Path) -> Path:
         """Write the table as JSON (parents created); returns the path."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        return path
+        return _write_json(self.to_dict(), path)
 
     @classmethod
     def load(
@@ -343,10 +340,14 @@ class BatchSPSTable:
 
     def save(self, path: str | Path) -> Path:
         """Write the table as JSON (parents created); returns the path."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        return path
+        return _write_json(self.to_dict(), path)
+
+
+def _write_json(document: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=1) + "\n")
+    return path
 
 
 def load_sps_table(path: str | Path, *, fit: bool = True) -> SPSTable | BatchSPSTable:
