@@ -218,6 +218,15 @@ def _check_dflash(config: DSparkConfig, strict: bool, report: ExportReport) -> N
 
 
 # ---------------------------------------------------------------------------------- weights
+def exported_name(name: str) -> str | None:
+    """The exported (DFlash / transformers-style) name of a drafter parameter, or None if it has none.
+
+    Inside a decoder layer these are transformers' own names (``layers.0.self_attn.q_proj.weight``),
+    which is what lets a warm start copy a target layer into a drafter layer.
+    """
+    return _rename(name, _RENAMES)
+
+
 def _rename(name: str, rules: tuple[tuple[str, str], ...]) -> str | None:
     for pattern, replacement in rules:
         if re.match(pattern, name):

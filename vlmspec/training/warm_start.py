@@ -25,21 +25,7 @@ from typing import Any
 import torch
 
 from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter
-
-#: drafter DraftLayer parameter -> transformers decoder-layer parameter (Qwen2/2.5/3-VL text layers).
-_LAYER_PARAMETERS = {
-    "input_norm.weight": "input_layernorm.weight",
-    "mlp_norm.weight": "post_attention_layernorm.weight",
-    "attn.q_proj.weight": "self_attn.q_proj.weight",
-    "attn.k_proj.weight": "self_attn.k_proj.weight",
-    "attn.v_proj.weight": "self_attn.v_proj.weight",
-    "attn.o_proj.weight": "self_attn.o_proj.weight",
-    "attn.q_norm.weight": "self_attn.q_norm.weight",  # Qwen3-VL only
-    "attn.k_norm.weight": "self_attn.k_norm.weight",  # Qwen3-VL only
-    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
-    "mlp.up_proj.weight": "mlp.up_proj.weight",
-    "mlp.down_proj.weight": "mlp.down_proj.weight",
-}
+from vlmspec.drafters.export import exported_name
 
 
 def target_layer_shape(target: Any) -> dict[str, Any]:
@@ -81,12 +67,13 @@ def init_from_target_layers(drafter: DSparkDrafter, target: Any) -> tuple[int, .
     check_layer_shape(config, target)
     layers = target.decoder_layers
     sources = tuple(range(len(layers) - config.num_layers, len(layers)))
-    for mine, index in zip(drafter.backbone.layers, sources, strict=True):
-        theirs = dict(layers[index].named_parameters())
-        for name, parameter in mine.named_parameters():
-            source = theirs.get(_LAYER_PARAMETERS[name])
-            if source is not None:
-                parameter.copy_(source)
+    theirs = [dict(layers[index].named_parameters()) for index in sources]
+    for name, parameter in drafter.backbone.layers.named_parameters():  # "0.attn.q_proj.weight"
+        # The export names of a drafter layer are transformers' own: "layers.0.self_attn.q_proj.weight".
+        _, position, inner = exported_name(f"backbone.layers.{name}").split(".", 2)
+        source = theirs[int(position)].get(inner)  # Qwen2 families have no q/k norm: those stay at 1
+        if source is not None:
+            parameter.copy_(source)
     drafter.backbone.norm.weight.copy_(target.final_norm.weight)
     _pass_deepest_feature(drafter)
     return sources
