@@ -147,18 +147,22 @@ def _unknown_drafter_message(spec: str) -> str:
 
 
 def reference_hybrid(model: Proposer, target: QwenVLTarget) -> Proposer:
-    """The reference pair's default proposer: n-gram copies and ``model`` under the drafting policy.
+    """The reference pair's default proposer: n-gram and corpus copies and ``model`` under the drafting policy.
 
     Its costs are the reference target's SPS curve for the target's dtype and the measured
-    drafting cost of the reference drafter (:data:`vlmspec.reference.REFERENCE_DRAFT_STEPS`).
+    drafting cost of the reference drafter (:data:`vlmspec.reference.REFERENCE_DRAFT_STEPS`);
+    the corpus is the target's own answers to training prompts (:func:`vlmspec.reference.reference_corpus_path`).
     """
+    from vlmspec.drafters.corpus_lookup import CorpusLookup, TokenCorpus
     from vlmspec.drafters.hybrid import HybridProposer
     from vlmspec.drafters.prompt_lookup import PromptLookup
-    from vlmspec.reference import REFERENCE_DRAFT_STEPS, reference_sps_table
+    from vlmspec.reference import REFERENCE_DRAFT_STEPS, reference_corpus_path, reference_sps_table
     from vlmspec.scheduling.policy import DraftCosts, DraftingPolicy
     from vlmspec.scheduling.tables import load_sps_table
 
     dtype = "bfloat16" if target.dtype == torch.bfloat16 else "float32"
     costs = DraftCosts.from_table(load_sps_table(reference_sps_table(dtype)), REFERENCE_DRAFT_STEPS[dtype])
     ngram = PromptLookup(max_draft_tokens=model.max_draft_tokens, max_ngram=4, min_ngram=2)
-    return HybridProposer(model, DraftingPolicy(costs, priors={"model": 0.8, "ngram": 0.6}), ngram=ngram)
+    corpus = CorpusLookup(TokenCorpus.load(reference_corpus_path()), max_draft_tokens=model.max_draft_tokens)
+    policy = DraftingPolicy(costs, priors={"model": 0.8, "ngram": 0.6, "corpus": 0.6})
+    return HybridProposer(model, policy, ngram=ngram, corpus=corpus)

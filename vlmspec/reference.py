@@ -128,8 +128,11 @@ def reference_assets_dir(path: str | os.PathLike | None = None) -> Path:
 REFERENCE_DRAFTERS = {"reference": "dspark", "reference-dspark": "dspark", "reference-dflash": "dflash"}
 # A drafting round of the reference DSpark drafter in target steps (T_draft / T(1)) per dtype, measured on the
 # 2-core AVX-512 EPYC: 4-5 ms against a 13-15 ms bfloat16 step, 6.5-7.5 ms against 17-18 ms in float32.
-# An n-gram lookup costs about 0.1 ms.
-REFERENCE_DRAFT_STEPS = {"bfloat16": {"model": 0.35, "ngram": 0.01}, "float32": {"model": 0.4, "ngram": 0.01}}
+# An n-gram lookup costs about 0.1 ms, a corpus lookup about 0.15 ms.
+REFERENCE_DRAFT_STEPS = {
+    "bfloat16": {"model": 0.35, "ngram": 0.01, "corpus": 0.01},
+    "float32": {"model": 0.4, "ngram": 0.01, "corpus": 0.01},
+}
 
 
 def reference_sps_table(dtype: str = "float32") -> Path:
@@ -155,6 +158,16 @@ def reference_drafter_dir(name: str = "reference") -> Path:
     path = Path(__file__).resolve().parent / "assets" / "reference-drafter" / REFERENCE_DRAFTERS[name]
     if not (path / "model.safetensors").is_file():
         raise FileNotFoundError(f"the {name!r} drafter is missing from {path}; it ships with the vlmspec repository")
+    return path
+
+
+def reference_corpus_path() -> Path:
+    """The reference target's answer corpus for corpus lookup (``recipes/build_reference_corpus.py``)."""
+    path = Path(__file__).resolve().parent / "assets" / "reference-drafter" / "corpus.npz"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"the reference answer corpus is missing from {path}; it ships with the vlmspec repository"
+        )
     return path
 
 

@@ -105,7 +105,7 @@ class DraftBlock:
     # Conditional survival probability of each position given the ones before survived.
     confidences: torch.Tensor | None = None  # [B, gamma] float32
     # Where each row's drafts came from, for a proposer that chooses per request (e.g. "ngram",
-    # "model", "none" for a row that drafts nothing this round); None: one source for all.
+    # "corpus", "model", "none" for a row that drafts nothing this round); None: one source for all.
     sources: tuple[str, ...] | None = None  # [B]
 
     @property

@@ -1,26 +1,30 @@
-"""The hybrid proposer (n-gram copies + DSpark under the drafting policy): lossless, current, reported.
+"""The hybrid proposer (n-gram and corpus copies + DSpark under the drafting policy): lossless, current, reported.
 
 Greedy: token for token the target alone's output, for every family, with and without an
 image, one request and batched. Sampling (temperature 1, the confined target of
 stat_helpers): the first three tokens follow the target's exact joint law (chi-square),
-with rounds drafted by the model, copied by the n-gram source and skipped all occurring.
+with rounds drafted by the model, copied by the n-gram and the corpus sources and skipped
+all occurring.
 """
 
 from __future__ import annotations
 
 import torch
-from stat_helpers import PROMPT, chi_square_p_value, exact_first_tokens
+from stat_helpers import PROMPT, SUPPORT, chi_square_p_value, exact_first_tokens
 
 from vlmspec.drafters.base import PerRequestProposer
+from vlmspec.drafters.corpus_lookup import CorpusLookup, TokenCorpus
 from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter
-from vlmspec.drafters.hybrid import MODEL, NGRAM, HybridProposer
+from vlmspec.drafters.hybrid import CORPUS, MODEL, NGRAM, HybridProposer
 from vlmspec.drafters.prompt_lookup import PromptLookup
 from vlmspec.engine import SpecEngine
 from vlmspec.scheduling.policy import NONE, DraftCosts, DraftingPolicy
 from vlmspec.serving import BatchEngine
 from vlmspec.types import ContextUpdate, DraftBlock, SamplingParams
 
-COSTS = DraftCosts(verify_steps=(1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7), draft_steps={MODEL: 0.4, NGRAM: 0.0})
+COSTS = DraftCosts(
+    verify_steps=(1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7), draft_steps={MODEL: 0.4, NGRAM: 0.0, CORPUS: 0.0}
+)
 REPEATING = "Repeat after me: one two three, one two three, one two three, one two three."
 
 
@@ -30,21 +34,35 @@ def untrained_drafter(target, **overrides) -> DSparkDrafter:
     return DSparkDrafter.from_target(target, config)
 
 
-def hybrid(target, *, smoothing: float = 1.0, **overrides) -> HybridProposer:
-    """Switches on every round's outcome (smoothing 1), so all three choices occur in short generations."""
-    policy = DraftingPolicy(COSTS, priors={MODEL: 1.0, NGRAM: 1.0}, smoothing=smoothing, probe_every=4)
+def hybrid(target, corpus: TokenCorpus | None = None, *, smoothing: float = 1.0, **overrides) -> HybridProposer:
+    """Switches on every round's outcome (smoothing 1), so every choice occurs in short generations."""
+    policy = DraftingPolicy(COSTS, priors={MODEL: 1.0, NGRAM: 1.0, CORPUS: 1.0}, smoothing=smoothing, probe_every=4)
     ngram = PromptLookup(max_draft_tokens=4, max_ngram=3, min_ngram=1)
-    return HybridProposer(untrained_drafter(target, **overrides).proposer(), policy, ngram=ngram)
+    lookup = None if corpus is None else CorpusLookup(corpus, max_draft_tokens=4, min_count=1)
+    return HybridProposer(untrained_drafter(target, **overrides).proposer(), policy, ngram=ngram, corpus=lookup)
+
+
+def answers_corpus(target, prompts) -> TokenCorpus:
+    """The target alone's greedy answers with every fourth token changed: corpus copies both survive and fail."""
+    engine = SpecEngine(target)
+    answers = [
+        engine.generate(image, prompt, max_new_tokens=16, speculative=False).token_ids for image, prompt in prompts
+    ]
+    return TokenCorpus.from_sequences([t + 1 if i % 4 == 3 else t for i, t in enumerate(a)] for a in answers)
 
 
 def test_greedy_with_the_hybrid_equals_the_target_alone(family, make_target, astronaut):
     target = make_target(family)
-    engine = SpecEngine(target, hybrid(target))
-    for image, prompt in ((astronaut, PROMPT), (None, REPEATING)):
+    prompts = ((astronaut, PROMPT), (None, REPEATING))
+    engine = SpecEngine(target, hybrid(target, answers_corpus(target, prompts)))
+    sources = set()
+    for image, prompt in prompts:
         alone = engine.generate(image, prompt, max_new_tokens=16, speculative=False)
         spec = engine.generate(image, prompt, max_new_tokens=16)
         assert spec.token_ids == alone.token_ids
         assert sum(spec.stats.rounds_by_source.values()) == spec.stats.rounds
+        sources |= set(spec.stats.rounds_by_source)
+    assert CORPUS in sources
 
 
 def test_greedy_batched_with_the_hybrid_equals_each_request_alone(make_target, astronaut, coffee):
@@ -55,21 +73,25 @@ def test_greedy_batched_with_the_hybrid_equals_each_request_alone(make_target, a
         {"images": coffee, "prompt": "What is this?", "max_new_tokens": 10},
     ]
     alone = BatchEngine(target).generate_many(requests)
-    results = BatchEngine(target, hybrid(target), max_batch_size=2).generate_many(requests)
+    corpus = answers_corpus(target, [(astronaut, PROMPT)])
+    results = BatchEngine(target, hybrid(target, corpus), max_batch_size=2).generate_many(requests)
     assert [r.token_ids for r in results] == [r.token_ids for r in alone]
     sources = set().union(*(r.stats.rounds_by_source for r in results))
-    assert MODEL in sources and NGRAM in sources  # the repeating prompt gets copies, the others the model
+    assert {MODEL, NGRAM, CORPUS} <= sources  # the repeating prompt gets copies, the others the model and the corpus
 
 
 def test_sampling_with_the_hybrid_follows_the_target_distribution(confined_target, astronaut):
     """250 seeded generations at temperature 1: the first three tokens fit the exact joint (p > 1e-3).
 
     Round 1 drafts with the model (the priors say it pays); round 2's choice follows round
-    1's outcome and whether the anchor repeats a token seen before (an n-gram copy).
+    1's outcome, whether the anchor repeats a token seen before (an n-gram copy) and
+    whether the last two tokens are among the few pairs the corpus holds (a corpus copy).
     """
     params = SamplingParams(temperature=1.0)
     joint = exact_first_tokens(confined_target, astronaut, params)
-    engine = SpecEngine(confined_target, hybrid(confined_target, block_size=3))
+    a, b, c, d = SUPPORT
+    corpus = TokenCorpus.from_sequences([[a, b, c, a, b], [c, d, c]])  # 5 of the 16 pairs
+    engine = SpecEngine(confined_target, hybrid(confined_target, corpus, block_size=3))
     index = {seq: i for i, seq in enumerate(joint)}
     counts = torch.zeros(len(joint), dtype=torch.float64)
     sources: dict[str, int] = {}
@@ -79,7 +101,7 @@ def test_sampling_with_the_hybrid_follows_the_target_distribution(confined_targe
         counts[index[tuple(result.token_ids)]] += 1
         for source, n in result.stats.rounds_by_source.items():
             sources[source] = sources.get(source, 0) + n
-    assert {MODEL, NGRAM, NONE} <= set(sources), f"every choice must occur for the test to bite: {sources}"
+    assert {MODEL, NGRAM, CORPUS, NONE} <= set(sources), f"every choice must occur for the test to bite: {sources}"
     expected = runs * torch.tensor(list(joint.values()), dtype=torch.float64)
     assert chi_square_p_value(counts, expected) > 1e-3
 

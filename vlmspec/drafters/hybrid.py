@@ -1,4 +1,4 @@
-"""The hybrid proposer: n-gram prompt lookup and a model drafter (DSpark) behind one Proposer.
+"""The hybrid proposer: n-gram copies (prompt and corpus lookup) and a model drafter (DSpark) behind one Proposer.
 
 Each round, for each request, the drafting policy (:mod:`vlmspec.scheduling.policy`)
 picks the source expected to cost the fewest target steps per committed token, or none:
@@ -6,18 +6,21 @@ picks the source expected to cost the fewest target steps per committed token, o
 * ``"ngram"``: a copy of what followed the latest earlier occurrence of the last n-gram
   of the prompt and answer so far. It costs almost nothing to draft, and it is offered
   only when such a match exists (a function of the committed tokens, known before the round);
+* ``"corpus"``: the most frequent continuation of the context's tail in a corpus of the
+  target's own answers (:class:`~vlmspec.drafters.corpus_lookup.CorpusLookup`), offered
+  like the n-gram copy when the tail occurs there;
 * ``"model"``: the model drafter's block (one forward for every request that chose it);
 * ``"none"``: no drafts; the round verifies the anchor alone, as the target alone would.
 
 The evidence is each request's own: how many of a source's drafts survived in the rounds
 it drafted (read from the next round's update: its span is the anchor plus the accepted
-drafts). Sources that were not chosen stay current: the n-gram history absorbs every
-round, and the spans the model did not see wait in the request's state until it drafts
+drafts). Sources that were not chosen stay current: the copy sources' histories absorb
+every round, and the spans the model did not see wait in the request's state until it drafts
 again, then go in as one update (its context never has a hole).
 
 Draft probabilities stay exact: model rows carry the distributions the model sampled
 from; an n-gram draft is deterministic, a one-hot distribution, so verification keeps
-the target's law whatever the mix. n-gram rows carry confidence 1 (a copy is verified
+the target's law whatever the mix. Copied rows carry confidence 1 (a copy is verified
 whole; calibration maps 1 to 1), cut to one past the accepted drafts the request's copies
 have averaged (:func:`~vlmspec.scheduling.policy.planned_drafts`): a long copy that rarely
 survives would otherwise cost a wide verify for one token.
@@ -38,14 +41,15 @@ from vlmspec.scheduling.policy import DraftingPolicy, SourceEvidence, planned_dr
 from vlmspec.types import ContextUpdate, DraftBlock, SamplingParams
 
 NGRAM = "ngram"
+CORPUS = "corpus"
 MODEL = "model"
 
 
 @dataclass
 class HybridState:
-    """One request's state: both sources' own states, the model's unabsorbed spans, the policy's evidence."""
+    """One request's state: every source's own state, the model's unabsorbed spans, the policy's evidence."""
 
-    ngram: PromptLookupState | None
+    copies: dict[str, PromptLookupState]  # copy source -> its token history
     model: Any
     evidence: dict[str, SourceEvidence]
     pending: list[ContextUpdate] = field(default_factory=list)  # spans the model has not absorbed yet
@@ -54,30 +58,36 @@ class HybridState:
 
 
 class HybridProposer:
-    """Prompt lookup and a model drafter, the source chosen per request and per round (see the module docstring).
+    """Copy sources and a model drafter, the source chosen per request and per round (see the module docstring).
 
-    >>> policy = DraftingPolicy(DraftCosts.from_table(sps_table, {"model": 0.35, "ngram": 0.02}))
-    >>> proposer = HybridProposer(dspark_proposer, policy)
+    >>> policy = DraftingPolicy(DraftCosts.from_table(sps_table, {"model": 0.35, "ngram": 0.02, "corpus": 0.02}))
+    >>> proposer = HybridProposer(dspark_proposer, policy, ngram=PromptLookup(), corpus=CorpusLookup(corpus))
 
-    ``ngram=None`` keeps the model as the only source: the policy then decides only whether
-    a round drafts at all.
+    Without ``ngram`` and ``corpus`` the model is the only source: the policy then decides
+    only whether a round drafts at all.
     """
 
-    def __init__(self, model: Proposer, policy: DraftingPolicy, ngram: PromptLookup | None = None) -> None:
+    def __init__(
+        self,
+        model: Proposer,
+        policy: DraftingPolicy,
+        ngram: PromptLookup | None = None,
+        corpus: PromptLookup | None = None,
+    ) -> None:
         if not isinstance(model, Proposer):
             raise TypeError(f"model must implement the Proposer protocol, got {type(model).__name__}")
         self.model = model
-        self.ngram = ngram
+        self.copiers = {name: source for name, source in ((NGRAM, ngram), (CORPUS, corpus)) if source is not None}
         self.policy = policy
-        self.sources = (MODEL,) if ngram is None else (NGRAM, MODEL)
-        self.max_draft_tokens: int = max(model.max_draft_tokens, 0 if ngram is None else ngram.max_draft_tokens)
+        self.sources = (*self.copiers, MODEL)
+        self.max_draft_tokens: int = max([model.max_draft_tokens, *(c.max_draft_tokens for c in self.copiers.values())])
         self.feature_layers: tuple[int, ...] = model.feature_layers
         self.vocab_size: int | None = model.vocab_size
         self.position_rule: str = model.position_rule
 
     def new_state(self) -> HybridState:
-        ngram = None if self.ngram is None else self.ngram.new_state()
-        return HybridState(ngram, self.model.new_state(), self.policy.new_evidence(self.sources))
+        copies = {name: source.new_state() for name, source in self.copiers.items()}
+        return HybridState(copies, self.model.new_state(), self.policy.new_evidence(self.sources))
 
     def propose(
         self,
@@ -86,14 +96,20 @@ class HybridProposer:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator],
     ) -> DraftBlock:
-        """Learn from last round, offer n-gram copies, choose per request, draft the model rows in one call."""
+        """Learn from last round, offer the copies, choose per request, draft the model rows in one call."""
         check_batch(states, updates, params, generators)
         for state, update in zip(states, updates):
             self._observe(state, update)
-        copies = [self._copy(state, update, p, g) for state, update, p, g in zip(states, updates, params, generators)]
+        copies = [self._copies(state, update, p, g) for state, update, p, g in zip(states, updates, params, generators)]
         choices = [
-            self.policy.choose(state.evidence, {NGRAM: int(copy.num_tokens[0]), MODEL: self.model.max_draft_tokens})
-            for state, copy in zip(states, copies)
+            self.policy.choose(
+                state.evidence,
+                {
+                    **{name: int(copy.num_tokens[0]) for name, copy in offered.items()},
+                    MODEL: self.model.max_draft_tokens,
+                },
+            )
+            for state, offered in zip(states, copies)
         ]
         for state, update in zip(states, updates):
             state.pending.append(update)
@@ -103,9 +119,10 @@ class HybridProposer:
         for row, choice in enumerate(choices):
             if choice == MODEL:
                 rows.append(_with_confidences(drafted.select([model_rows.index(row)])))
-            elif choice == NGRAM:  # a copy is verified whole: cut it to what is expected to pay
-                keep = planned_drafts(states[row].evidence[NGRAM].accepted, int(copies[row].num_tokens[0]))
-                rows.append(_with_confidences(copies[row].truncated(torch.tensor([keep]))))
+            elif choice in self.copiers:  # a copy is verified whole: cut it to what is expected to pay
+                copy = copies[row][choice]
+                keep = planned_drafts(states[row].evidence[choice].accepted, int(copy.num_tokens[0]))
+                rows.append(_with_confidences(copy.truncated(torch.tensor([keep]))))
             else:
                 rows.append(_empty())
             states[row].last_source, states[row].last_drafts = choice, int(rows[-1].num_tokens[0])
@@ -122,11 +139,14 @@ class HybridProposer:
         accepted = span - 1 if span <= state.last_drafts + 1 else None
         self.policy.observe(state.evidence, state.last_source, accepted)
 
-    def _copy(self, state: HybridState, update: ContextUpdate, params: SamplingParams, generator) -> DraftBlock:
-        """The n-gram copy on offer this round (none without an n-gram source); absorbs the update into its history."""
-        if self.ngram is None:
-            return _empty()
-        return self.ngram.propose_one(state.ngram, update, params, generator)
+    def _copies(
+        self, state: HybridState, update: ContextUpdate, params: SamplingParams, generator
+    ) -> dict[str, DraftBlock]:
+        """Each copy source's draft on offer this round; each absorbs the update into its history."""
+        return {
+            name: source.propose_one(state.copies[name], update, params, generator)
+            for name, source in self.copiers.items()
+        }
 
     def _model_block(
         self,

@@ -45,7 +45,7 @@ class ServerMetrics:
         self.rounds_by_source = Counter(
             "vlmspec_spec_rounds_by_source",
             "Rounds by where their drafts came from, for a proposer that chooses per round "
-            "(the drafting policy: ngram, model; none = drafting skipped)",
+            "(the drafting policy: ngram, corpus, model; none = drafting skipped)",
             ["source"],
             registry=r,
         )
