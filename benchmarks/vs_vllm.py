@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
         "vlmspec target alone (reference forward)": vlmspec_run("reference", False),
         ALONE: vlmspec_run("fast", False),
         "vlmspec + DSpark every round, SPS": vlmspec_run("fast", True, dspark),
-        "vlmspec defaults: n-gram + DSpark, drafting policy, SPS": vlmspec_run("fast", True),
+        "vlmspec defaults: n-gram + corpus + DSpark, drafting policy, SPS": vlmspec_run("fast", True),
     }
     for run in variants.values():  # warm-up: first-call costs (packing the weights, allocators)
         run(0)

@@ -107,7 +107,7 @@ class TokenCorpus:
         drafted: list[int] = []
         offset = n  # tokens every suffix in [lo, hi) shares
         while len(drafted) < max_tokens:
-            following = self.tokens[self.suffixes[lo:hi] + offset]  # [hi - lo] sorted (the suffixes are)
+            following = self.tokens[self.suffixes[lo:hi] + offset]  # [hi - lo], sorted as in _matches
             values, starts, counts = np.unique(following, return_index=True, return_counts=True)
             best = int(counts.argmax())
             token, count = int(values[best]), int(counts[best])
@@ -120,14 +120,12 @@ class TokenCorpus:
 
     def _matches(self, pattern: list[int]) -> tuple[int, int]:
         """The range of sorted suffixes that start with ``pattern`` (empty: lo == hi)."""
-        lo, hi = (
-            int(np.searchsorted(self._first, pattern[0], "left")),
-            int(np.searchsorted(self._first, pattern[0], "right")),
-        )
-        for offset, token in enumerate(pattern[1:], start=1):
+        lo, hi = 0, len(self.suffixes)
+        for offset, token in enumerate(pattern):
             if lo == hi:
                 break
-            column = self.tokens[self.suffixes[lo:hi] + offset]  # sorted within the range
+            # the suffixes in [lo, hi) share their first `offset` tokens, so the next ones are sorted
+            column = self._first[lo:hi] if offset == 0 else self.tokens[self.suffixes[lo:hi] + offset]
             lo, hi = lo + int(np.searchsorted(column, token, "left")), lo + int(np.searchsorted(column, token, "right"))
         return lo, hi
 
