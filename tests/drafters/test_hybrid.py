@@ -133,3 +133,35 @@ def test_the_model_absorbs_every_span_in_order_even_after_rounds_it_sat_out():
     absorbed = torch.cat(state.model)
     assert torch.equal(absorbed, torch.arange(8))  # spans 0-3 in one update, in order, nothing twice
     assert len(state.pending) == 1 and torch.equal(state.pending[0].token_ids, spans[4])  # waits for the next
+
+
+class SamplingModel(RecordingModel):
+    """TEST HELPER: a model source that drafts from a fixed distribution and returns it as draft_probs."""
+
+    probs = torch.softmax(torch.arange(6, dtype=torch.float32), dim=0)  # [6] over a 6-token vocabulary
+
+    def propose_one(self, state, update: ContextUpdate, params, generator) -> DraftBlock:
+        state.append(update.token_ids.clone())
+        tokens = torch.multinomial(self.probs, 2, replacement=True, generator=generator)[None]
+        probs = self.probs.expand(1, 2, -1).clone()
+        return DraftBlock(tokens, torch.tensor([2]), draft_probs=probs, confidences=torch.full((1, 2), 0.5))
+
+
+def test_a_mixed_block_carries_each_source_s_exact_draft_distribution():
+    """One step, three requests: the model's row keeps the distribution it sampled from; copies are one-hot."""
+    policy = DraftingPolicy(COSTS, priors={MODEL: 1.0, NGRAM: 1.0, CORPUS: 1.0})
+    corpus = CorpusLookup(TokenCorpus.from_sequences([[1, 2, 3, 4], [1, 2, 3, 4]]), max_draft_tokens=2)
+    proposer = HybridProposer(
+        SamplingModel(), policy, ngram=PromptLookup(max_draft_tokens=2, max_ngram=2), corpus=corpus
+    )
+    states = [proposer.new_state() for _ in range(3)]
+    spans = [torch.tensor([7, 0]), torch.tensor([0, 1]), torch.tensor([0, 5, 1, 2, 5, 1])]  # model, corpus, n-gram
+    anchors = [5, 2, 2]
+    updates = [ContextUpdate(s, torch.arange(len(s)), None, a, len(s)) for s, a in zip(spans, anchors)]
+    params = [SamplingParams(temperature=1.0)] * 3
+    block = proposer.propose(states, updates, params, [torch.Generator().manual_seed(i) for i in range(3)])
+    assert block.sources == (MODEL, CORPUS, NGRAM)
+    assert torch.equal(block.draft_probs[0], SamplingModel.probs.expand(2, -1))
+    assert block.tokens[1].tolist() == [3, 4] and block.tokens[2].tolist() == [5, 1]
+    for row in (1, 2):
+        assert torch.equal(block.draft_probs[row], torch.nn.functional.one_hot(block.tokens[row], 6).float())
