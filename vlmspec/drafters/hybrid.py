@@ -14,8 +14,8 @@ picks the source expected to cost the fewest target steps per committed token, o
 
 The evidence is each request's own: how many of a source's drafts survived in the rounds
 it drafted (read from the next round's update: its span is the anchor plus the accepted
-drafts). Sources that were not chosen stay current: the copy sources' histories absorb
-every round, and the spans the model did not see wait in the request's state until it drafts
+drafts). Sources that were not chosen stay current: the copy sources' shared history
+absorbs every round, and the spans the model did not see wait in the request's state until it drafts
 again, then go in as one update (its context never has a hole).
 
 Draft probabilities stay exact: model rows carry the distributions the model sampled
@@ -49,7 +49,7 @@ MODEL = "model"
 class HybridState:
     """One request's state: every source's own state, the model's unabsorbed spans, the policy's evidence."""
 
-    copies: dict[str, PromptLookupState]  # copy source -> its token history
+    history: PromptLookupState  # the tokens every copy source looks up
     model: Any
     evidence: dict[str, SourceEvidence]
     pending: list[ContextUpdate] = field(default_factory=list)  # spans the model has not absorbed yet
@@ -86,8 +86,7 @@ class HybridProposer:
         self.position_rule: str = model.position_rule
 
     def new_state(self) -> HybridState:
-        copies = {name: source.new_state() for name, source in self.copiers.items()}
-        return HybridState(copies, self.model.new_state(), self.policy.new_evidence(self.sources))
+        return HybridState(PromptLookupState(), self.model.new_state(), self.policy.new_evidence(self.sources))
 
     def propose(
         self,
@@ -100,7 +99,7 @@ class HybridProposer:
         check_batch(states, updates, params, generators)
         for state, update in zip(states, updates):
             self._observe(state, update)
-        copies = [self._copies(state, update, p, g) for state, update, p, g in zip(states, updates, params, generators)]
+        copies = [self._copies(state, update) for state, update in zip(states, updates)]
         choices = [
             self.policy.choose(
                 state.evidence,
@@ -139,14 +138,10 @@ class HybridProposer:
         accepted = span - 1 if span <= state.last_drafts + 1 else None
         self.policy.observe(state.evidence, state.last_source, accepted)
 
-    def _copies(
-        self, state: HybridState, update: ContextUpdate, params: SamplingParams, generator
-    ) -> dict[str, DraftBlock]:
-        """Each copy source's draft on offer this round; each absorbs the update into its history."""
-        return {
-            name: source.propose_one(state.copies[name], update, params, generator)
-            for name, source in self.copiers.items()
-        }
+    def _copies(self, state: HybridState, update: ContextUpdate) -> dict[str, DraftBlock]:
+        """Each copy source's draft on offer this round, from the one history (which absorbs the update)."""
+        context = state.history.absorb(update)
+        return {name: source.draft(context) for name, source in self.copiers.items()}
 
     def _model_block(
         self,

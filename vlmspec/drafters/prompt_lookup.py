@@ -18,6 +18,12 @@ class PromptLookupState:
     def __init__(self) -> None:
         self.history = torch.empty(0, dtype=torch.long)  # [L]
 
+    def absorb(self, update: ContextUpdate) -> torch.Tensor:  # -> [L + n + 1] history then the anchor
+        """Append the update's committed span; return the context a lookup reads (the history, then the anchor)."""
+        self.history = torch.cat([self.history, update.token_ids.to(torch.long).cpu()])
+        # the anchor is not kept: it returns inside the next update's span
+        return torch.cat([self.history, torch.tensor([update.anchor], dtype=torch.long)])
+
 
 class PromptLookup(PerRequestProposer):
     """Proposer that matches the trailing ``max_ngram .. min_ngram`` tokens against the history.
@@ -42,9 +48,11 @@ class PromptLookup(PerRequestProposer):
     def propose_one(
         self, state: PromptLookupState, update: ContextUpdate, params: SamplingParams, generator: torch.Generator
     ) -> DraftBlock:
-        history = torch.cat([state.history, update.token_ids.to(torch.long).cpu()])
-        continuation = self.lookup(torch.cat([history, torch.tensor([update.anchor], dtype=torch.long)]))
-        state.history = history  # the anchor returns inside the next update's span
+        return self.draft(state.absorb(update))
+
+    def draft(self, context: torch.Tensor) -> DraftBlock:  # context: [L] history and anchor -> one row
+        """The copy after ``context`` as a one-row block (``draft_probs`` None: a deterministic draft)."""
+        continuation = self.lookup(context)
         tokens = torch.zeros(1, self.max_draft_tokens, dtype=torch.long)
         tokens[0, : continuation.numel()] = continuation
         return DraftBlock(tokens=tokens, num_tokens=torch.tensor([continuation.numel()]))
