@@ -124,6 +124,34 @@ def test_stream_yields_the_same_text(make_target):
     assert "".join(pieces) == stream.result.text == engine.generate(None, "Tell me a story.", max_new_tokens=20).text
 
 
+@pytest.mark.parametrize("way", ["text", "records"])
+def test_two_streams_open_on_one_engine_each_yield_only_their_own_request(make_target, way):
+    engine = SpecEngine(make_target("qwen2_5_vl"), PromptLookup())
+    prompts = ["Tell me a story.", "Write a haiku about rain."]
+    expected = [engine.generate(None, p, max_new_tokens=12) for p in prompts]
+    assert expected[0].token_ids != expected[1].token_ids
+    streams = [engine.stream(None, p, max_new_tokens=12) for p in prompts]
+    iterators = [iter(s) if way == "text" else s.records() for s in streams]
+    got: list[list] = [[], []]
+    running = [0, 1]
+    for _ in range(100):  # a bound instead of a hang: both end within 2 x 12 turns
+        for i in list(running):  # the two streams take turns, one item each
+            item = next(iterators[i], None)
+            if item is None:
+                running.remove(i)
+            else:
+                got[i].append(item)
+        if not running:
+            break
+    assert not running, "the streams did not end"
+    for stream, items, want in zip(streams, got, expected, strict=True):
+        assert stream.result.token_ids == want.token_ids
+        if way == "text":
+            assert "".join(items) == want.text
+        else:
+            assert [t for record in items for t in record.tokens] == want.token_ids[1:]  # the prefill drew the first
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
@@ -134,6 +162,10 @@ def test_stream_yields_the_same_text(make_target):
         (dict(temperature=-1.0), ValueError, "temperature"),
         (dict(top_p=0.0), ValueError, "top_p"),
         (dict(top_p=1.5), ValueError, "top_p"),
+        (dict(temperature=float("nan")), ValueError, "temperature"),
+        (dict(temperature=float("inf")), ValueError, "temperature"),
+        (dict(top_p=float("nan")), ValueError, "top_p"),
+        (dict(temprature=0.5), TypeError, "unknown request options"),
         (dict(max_new_tokens=0), ValueError, "max_new_tokens"),
         (dict(prompt="word " * 3000), ValueError, "context"),
     ],

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
-from vlmspec.types import DraftBlock, SpecStats
+from vlmspec.types import DraftBlock, RequestOptions, SamplingParams, SpecStats
 
 
 def _stats(*rounds: tuple[int, int, int], new_tokens: int = 0, total_s: float = 0.0) -> SpecStats:
@@ -50,3 +52,45 @@ def test_truncated_block_keeps_the_slots_to_verify():
     assert torch.equal(cut.confidences, block.confidences[:, :3])
     none = block.truncated(torch.tensor([0, 0]))
     assert none.gamma == 0 and none.num_tokens.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize(
+    "field, value, valid",
+    [
+        ("temperature", float("nan"), ">= 0"),
+        ("temperature", float("inf"), ">= 0"),
+        ("temperature", -0.5, ">= 0"),
+        ("top_p", float("nan"), "(0, 1]"),
+        ("top_p", float("inf"), "(0, 1]"),
+        ("top_p", 0.0, "(0, 1]"),
+        ("top_k", 0, ">= 1"),
+        ("top_k", True, ">= 1"),
+        ("max_new_tokens", 0, ">= 1"),
+        ("max_new_tokens", 2.0, ">= 1"),
+        ("seed", 1.5, "[-2**63, 2**64)"),
+        ("seed", 2**64, "[-2**63, 2**64)"),
+        ("stop", "", "non-empty"),
+        ("stop", ["ok", 3], "non-empty"),
+    ],
+)
+def test_request_options_refuse_a_bad_value_naming_the_field_and_its_range(field, value, valid):
+    with pytest.raises(ValueError, match=f"^{field} .*{re.escape(valid)}"):
+        RequestOptions.build(**{field: value})
+    if field in ("temperature", "top_k", "top_p"):  # the distribution alone checks the same, in the same place
+        with pytest.raises(ValueError, match=f"^{field} "):
+            SamplingParams(**{field: value})
+
+
+def test_request_options_normalise_stop_strings_once_and_build_from_keywords():
+    assert RequestOptions(stop="###").stop == ("###",) and RequestOptions(stop=None).stop == ()
+    options = RequestOptions.build(max_new_tokens=8, temperature=0.7, stop=["a", "b"])
+    assert options.stop == ("a", "b") and hash(options) == hash(RequestOptions.build(options))
+    assert RequestOptions.build(options) is options  # no keywords: the same object, not a copy
+    reseeded = RequestOptions.build(options, seed=3)
+    assert (reseeded.seed, reseeded.max_new_tokens, reseeded.stop) == (3, 8, ("a", "b"))
+    assert options.sampling == SamplingParams(temperature=0.7) == reseeded.sampling  # seeds apart, one distribution
+    assert RequestOptions.build() == RequestOptions() and RequestOptions().sampling.greedy
+    with pytest.raises(TypeError, match="unknown request options \\['temprature'\\]"):
+        RequestOptions.build(temprature=0.5)
+    with pytest.raises(TypeError, match="RequestOptions"):
+        RequestOptions.build(SamplingParams())

@@ -20,7 +20,7 @@ from vlmspec.scheduling import (
 from vlmspec.serving.engine import BatchEngine, StepOutput
 from vlmspec.serving.steps import SpecDecoder, SpecRequest
 from vlmspec.targets import QwenVLTarget
-from vlmspec.types import DraftBlock, GenerationResult, SamplingParams, SpecStats, VerifyResult
+from vlmspec.types import DraftBlock, GenerationResult, RequestOptions, SamplingParams, SpecStats, VerifyResult
 
 __version__ = "0.1.0"
 
@@ -50,6 +50,7 @@ __all__ = [
     "DraftBlock",
     "VerifyResult",
     "GenerationResult",
+    "RequestOptions",
     "SamplingParams",
     "SpecStats",
 ]

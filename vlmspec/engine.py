@@ -26,7 +26,9 @@ target-only baseline runs through exactly the same code.
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -38,7 +40,7 @@ from vlmspec.serving.steps import SpecDecoder
 from vlmspec.serving.text import TextDeltas
 from vlmspec.targets.adapter import QwenVLTarget
 from vlmspec.targets.inputs import ImageLike
-from vlmspec.types import GenerationResult, RoundRecord
+from vlmspec.types import GenerationResult, RequestOptions, RoundRecord
 
 
 class SpecEngine:
@@ -54,6 +56,7 @@ class SpecEngine:
         self._host = BatchEngine(target, proposer, scheduler, max_batch_size=1)
         # The target alone: nothing drafted, nothing to schedule; its KV rows are allocated on first use.
         self._alone = BatchEngine(target, NoDraft(), VerifyAll(), max_batch_size=1)
+        self._outputs, self._outputs_alone = _Outputs(self._host), _Outputs(self._alone)
 
     @property
     def decoder(self) -> SpecDecoder:
@@ -99,34 +102,22 @@ class SpecEngine:
         prompt: str | None = None,
         *,
         messages: list[dict] | None = None,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int = 0,
-        stop: str | Sequence[str] | None = None,
+        options: RequestOptions | None = None,
         speculative: bool = True,
+        **overrides: Any,
     ) -> GenerationResult:
         """Answer ``prompt`` about ``images`` (one, several or None) with exactly the target's output.
 
+        ``options`` (a :class:`~vlmspec.types.RequestOptions`) says how to sample and when
+        to stop; request options given by name replace its fields (``max_new_tokens=128,
+        temperature=0.0, top_k=None, top_p=None, seed=0, stop=None`` by default).
         Greedy (``temperature=0``) output is token for token the target's own; sampled
         output follows the target's distribution (with the same top-k / top-p).
         ``stop`` strings end generation at the token that completes one (kept in the
         text). ``speculative=False`` runs the target alone through the same code path.
         A failure inside the generation is raised (``BatchEngine`` keeps it in the result).
         """
-        stream = self.stream(
-            images,
-            prompt,
-            messages=messages,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            stop=stop,
-            speculative=speculative,
-        )
+        stream = self.stream(images, prompt, messages=messages, options=options, speculative=speculative, **overrides)
         for _ in stream.records():
             pass
         return stream.result
@@ -137,33 +128,48 @@ class SpecEngine:
         prompt: str | None = None,
         *,
         messages: list[dict] | None = None,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int = 0,
-        stop: str | Sequence[str] | None = None,
+        options: RequestOptions | None = None,
         speculative: bool = True,
+        **overrides: Any,
     ) -> GenerationStream:
         """Like :meth:`generate`, but iterate over the result to get text as it is committed.
 
         Arguments are validated here, before anything runs; ``stream.result`` holds the
         :class:`GenerationResult` once the iteration is over. ``stream.records()``
         iterates over the rounds' :class:`~vlmspec.types.RoundRecord` instead of text.
+        Several streams may be open on one engine: each yields its own request's output
+        (their requests take turns on the engine, in the order they were opened).
         """
-        host = self._host if speculative else self._alone
-        request_id = host.add_request(
-            images,
-            prompt,
-            messages=messages,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            stop=stop,
-        )
-        return GenerationStream(host, request_id)
+        outputs = self._outputs if speculative else self._outputs_alone
+        request_id = outputs.host.add_request(images, prompt, messages=messages, options=options, **overrides)
+        return GenerationStream(outputs, request_id)
+
+
+class _Outputs:
+    """One host's step outputs, sorted by request, for the streams that take turns running the host.
+
+    Whichever stream runs a host step, every output goes to the queue of the request it
+    belongs to, so each stream yields its own request's output and no other's.
+    """
+
+    def __init__(self, host: BatchEngine) -> None:
+        self.host = host
+        self._queues: dict[str, deque[StepOutput]] = {}  # request id -> outputs not yet taken by its stream
+
+    def open(self, request_id: str) -> None:
+        self._queues[request_id] = deque()
+
+    def close(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    def next(self, request_id: str) -> StepOutput | None:
+        """The request's next output, running host steps until there is one; None if the host has nothing to run."""
+        queue = self._queues[request_id]
+        while not queue and self.host.has_unfinished:
+            for output in self.host.step():
+                if output.request_id in self._queues:  # else its stream was closed: nobody reads it
+                    self._queues[output.request_id].append(output)
+        return queue.popleft() if queue else None
 
 
 class GenerationStream:
@@ -172,11 +178,13 @@ class GenerationStream:
     ``result`` is set when the generation is over. Iterate only once, one way or the other.
     """
 
-    def __init__(self, host: BatchEngine, request_id: str) -> None:
-        self._host = host
+    def __init__(self, outputs: _Outputs, request_id: str) -> None:
+        self._outputs = outputs
+        self._host = outputs.host
         self._request_id = request_id
         self._tokens: list[int] = []  # committed so far
         self.result: GenerationResult | None = None
+        outputs.open(request_id)
 
     def records(self) -> Iterator[RoundRecord]:
         """Run the generation; yields the record of each round as it completes (the prefill is not a round)."""
@@ -193,15 +201,19 @@ class GenerationStream:
             yield rest
 
     def _run(self) -> Iterator[StepOutput]:
-        """The host's steps until this request ends (the prefill's first token, then one output per round)."""
+        """This request's outputs until it ends (the prefill's first token, then one output per round).
+
+        Other requests' outputs of the same host steps wait in their own streams' queues.
+        """
         try:
-            while self._host.has_unfinished:
-                for output in self._host.step():
-                    self._tokens += output.tokens
-                    yield output
-        finally:  # also when the caller stops early: leave the host empty for the next request
-            if self._host.has_unfinished:
-                self._host.abort(self._request_id)
+            while (output := self._outputs.next(self._request_id)) is not None:
+                self._tokens += output.tokens
+                yield output
+                if output.finished:
+                    break
+        finally:  # also when the caller stops early: the request leaves the host (a no-op once it has finished)
+            self._outputs.close(self._request_id)
+            self._host.abort(self._request_id)
             self.result = self._host.pop_result(self._request_id)
         if self.result is not None and self.result.finish_reason == "error" and self.result.error is not None:
             raise self.result.error

@@ -200,7 +200,8 @@ def sample_from_uniforms(
     so its probability is positive: a zero-probability token is never returned, and the
     index never runs past the vocabulary. Rows need not be normalised.
     """
-    assert probs.dim() == 2 and uniforms.shape == probs.shape[:1], (probs.shape, uniforms.shape)
+    if probs.dim() != 2 or uniforms.shape != probs.shape[:1]:  # broadcasting would draw wrong tokens silently
+        raise ValueError(f"probs must be [B, V] and uniforms [B], got {tuple(probs.shape)} and {tuple(uniforms.shape)}")
     cdf = probs.to(torch.float64).cumsum(dim=-1)  # [B, V]
     targets = (1.0 - uniforms.to(cdf)).unsqueeze(-1) * cdf[:, -1:]  # [B, 1] in (0, total]
     return torch.searchsorted(cdf, targets, right=False).squeeze(-1)  # [B] int64

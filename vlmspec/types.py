@@ -15,8 +15,12 @@ Distributions are named ``draft_probs`` and ``target_probs``; both are float32.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -26,23 +30,107 @@ DEFAULT_POSITION_RULE = "interpolate"
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the target alone would sample. ``temperature == 0`` means greedy (argmax)."""
+    """How the target alone would sample. ``temperature == 0`` means greedy (argmax).
+
+    This is the distribution only: what a proposer, :func:`vlmspec.sampling.target_probs`
+    and verification need. Requests that share it are verified together, whatever their
+    seeds. A request's other options (length, seed, stop strings) are in :class:`RequestOptions`.
+    """
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"top_k must be a positive integer or None, got {self.top_k!r}")
-        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if self.top_k is not None and (not _is_integer(self.top_k) or self.top_k < 1):
+            raise ValueError(f"top_k must be an integer >= 1, or None for no top-k, got {self.top_k!r}")
+        if self.top_p is not None and not (_is_real(self.top_p) and 0.0 < self.top_p <= 1.0):  # NaN fails too
+            raise ValueError(f"top_p must be a number in (0, 1], or None for no top-p, got {self.top_p!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+# The seeds torch.Generator.manual_seed accepts.
+SEED_RANGE = (-(2**63), 2**64)
+
+
+@dataclass(frozen=True)
+class RequestOptions(SamplingParams):
+    """Everything a caller chooses about one request besides its inputs: the one request-options object.
+
+    Every entry point builds it and hands it down unchanged: ``SpecEngine.generate`` and
+    ``.stream``, ``BatchEngine.add_request``, the ``vlmspec`` command and the HTTP server,
+    down to the step API (``SpecDecoder.new_request``). Keyword arguments become one with
+    :meth:`build`, the only place that turns them into options, so the fields and their
+    defaults below are written once, checked once (here, in ``__post_init__``: a
+    ValueError names the field and its valid range) and stop strings normalised once
+    (a string or a list of strings becomes a tuple).
+
+    It extends :class:`SamplingParams` rather than holding one so that its fields read
+    flat (``RequestOptions(max_new_tokens=64, temperature=0.7, seed=1)``), as the keywords
+    do; :attr:`sampling` is the distribution part alone, which proposers and verification
+    take (rows with different seeds or lengths still share it, and verify together).
+    """
+
+    max_new_tokens: int = 128  # most tokens to generate (EOS included)
+    seed: int = 0  # seeds the request's own torch.Generator: its draws do not depend on other requests
+    stop: tuple[str, ...] = ()  # generation ends at the token that completes one (a str or a list is accepted)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not _is_integer(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not _is_integer(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64) (torch.Generator's seeds), got {self.seed!r}")
+        object.__setattr__(self, "stop", _stop_strings(self.stop))  # frozen: the one normalisation
+
+    @classmethod
+    def build(cls, options: RequestOptions | None = None, **overrides: Any) -> RequestOptions:
+        """``options`` (default: the defaults) with the fields named in ``overrides`` replaced.
+
+        >>> RequestOptions.build(max_new_tokens=64, temperature=0.7)
+        >>> RequestOptions.build(options, seed=2)  # the same options, another seed
+
+        Raises TypeError for a name that is no field (a typo), ValueError for a bad value.
+        """
+        if options is not None and not isinstance(options, RequestOptions):
+            raise TypeError(f"options must be a vlmspec.types.RequestOptions, got {type(options).__name__}")
+        unknown = sorted(set(overrides) - set(cls.names()))
+        if unknown:
+            raise TypeError(f"unknown request options {unknown}; the request options are {', '.join(cls.names())}")
+        if not overrides:
+            return options if options is not None else cls()
+        return replace(options, **overrides) if options is not None else cls(**overrides)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The option names, as keywords of :meth:`build` (and of ``generate``, ``stream``, ``add_request``)."""
+        return tuple(f.name for f in fields(cls))
+
+    @cached_property
+    def sampling(self) -> SamplingParams:
+        """The distribution alone (temperature, top-k, top-p): what proposers and verification take."""
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_integer(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``stop`` as a tuple of non-empty strings (one string, a list of them, or None)."""
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}")
+    return stops
 
 
 @dataclass

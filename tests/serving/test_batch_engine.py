@@ -8,15 +8,18 @@ so rows accept different numbers of drafts and roll back different amounts.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from tiny_drafters import tiny_drafter
 
 from vlmspec.drafters.base import PerRequestProposer
+from vlmspec.drafters.dspark import DSparkProposer
 from vlmspec.drafters.prompt_lookup import PromptLookup
 from vlmspec.engine import SpecEngine
 from vlmspec.serving import BatchEngine
-from vlmspec.types import ContextUpdate, DraftBlock, SamplingParams
+from vlmspec.types import DEFAULT_POSITION_RULE, ContextUpdate, DraftBlock, SamplingParams
 
 PROMPTS = [
     "Describe the picture.",
@@ -130,7 +133,7 @@ class VerifyNothing:
 
 def dspark_confidences(target, speculate_up_to):
     """The confidences a DSpark drafter gives the long request in each round, while a short one runs beside it."""
-    engine = BatchEngine(target, tiny_drafter(target).proposer(), VerifyNothing(), speculate_up_to=speculate_up_to)
+    engine = BatchEngine(target, DSparkProposer(tiny_drafter(target)), VerifyNothing(), speculate_up_to=speculate_up_to)
     long_id = engine.add_request(None, "Tell me everything about rain.", max_new_tokens=14)
     engine.add_request(None, "Hi", max_new_tokens=5)
     rounds = []
@@ -253,7 +256,7 @@ def test_bad_input_is_refused_and_running_requests_go_on(make_target, astronaut,
         with pytest.raises(error, match=match):
             engine.add_request(**kwargs)
         engine.step()
-    with pytest.raises(ValueError, match="unknown request options"):
+    with pytest.raises(TypeError, match="unknown request options"):
         engine.generate_many([dict(prompt="Hi"), dict(prompt="Hi", temprature=0.5)])
     while engine.has_unfinished:
         engine.step()
@@ -310,3 +313,108 @@ def test_a_one_request_proposer_gets_told_how_to_port_it(make_target):
 
     with pytest.raises(TypeError, match="PerRequestProposer"):
         BatchEngine(make_target("qwen2_vl"), OldStyle())
+
+
+class CountingLookup(PromptLookup):
+    """Prompt lookup that counts how often each request's state absorbed an update (one per propose)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_draft_tokens=4)
+        self.states: list = []  # in the order the requests started
+        self.absorbed: dict[int, int] = {}  # id(state) -> updates absorbed
+
+    def new_state(self):
+        self.states.append(super().new_state())
+        return self.states[-1]
+
+    def propose_one(self, state, update, params, generator):
+        self.absorbed[id(state)] = self.absorbed.get(id(state), 0) + 1
+        return super().propose_one(state, update, params, generator)
+
+    def absorbs(self, request: int) -> int:
+        return self.absorbed.get(id(self.states[request]), 0)
+
+
+def raise_once(method, at_call: int):
+    """``method``, except that its ``at_call``-th call raises (the calls before and after run as usual)."""
+    calls = 0
+
+    def faulty(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == at_call:
+            raise RuntimeError("injected fault after verification")
+        return method(*args, **kwargs)
+
+    return faulty
+
+
+FAULT_REQUESTS = [
+    dict(prompt="Repeat after me: one two three four five six. " * 2, max_new_tokens=14),
+    dict(prompt="Tell me a story about a fox.", max_new_tokens=12, temperature=1.0, seed=5),
+    dict(prompt="Count from one to ten.", max_new_tokens=10, temperature=0.8, top_k=50, seed=9),
+]
+
+
+@pytest.mark.parametrize("fault", ["advance", "confidences"])
+def test_a_fault_after_verification_never_commits_a_round_twice(make_target, monkeypatch, fault):
+    target = make_target("qwen2_5_vl")
+    clean = BatchEngine(target, PromptLookup(max_draft_tokens=4)).generate_many(FAULT_REQUESTS)
+    proposer = CountingLookup()
+    engine = BatchEngine(target, proposer)
+    if fault == "advance":  # the rows' KV lengths: the last act before the requests commit, at the third step
+        monkeypatch.setattr(engine._batch, "advance", raise_once(engine._batch.advance, at_call=3))
+    else:  # the first request's round record, after its commit, at the third step
+        import vlmspec.serving.steps as steps
+
+        monkeypatch.setattr(steps, "_row_confidences", raise_once(steps._row_confidences, at_call=7))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "every request succeeded alone" after the advance fault
+        results = engine.generate_many(FAULT_REQUESTS)
+
+    survivors = [i for i, r in enumerate(results) if r.finish_reason != "error"]
+    assert survivors == ([0, 1, 2] if fault == "advance" else [1, 2])  # a failed commit ends only its request
+    for i in survivors:
+        assert results[i].token_ids == clean[i].token_ids and results[i].finish_reason == clean[i].finish_reason
+        assert results[i].stats.rounds == clean[i].stats.rounds
+        assert proposer.absorbs(i) == results[i].stats.rounds  # one absorbed update per committed round
+    if fault == "confidences":
+        broken = results[0]
+        assert broken.error is not None and broken.token_ids == clean[0].token_ids[: len(broken.token_ids)]
+
+
+class RandomDrafter:
+    """Drafts 3 tokens per request, uniform over the first 64 ids, each from the request's generator.
+
+    When the batch holds a request sampled at ``faulty_temperature``, it raises after
+    drawing everybody else's drafts: the failed attempt has used their generators.
+    """
+
+    max_draft_tokens, feature_layers, vocab_size, position_rule = 3, (), None, DEFAULT_POSITION_RULE
+
+    def __init__(self, target_vocab: int, faulty_temperature: float) -> None:
+        self.draft_probs = torch.zeros(target_vocab)
+        self.draft_probs[:64] = 1 / 64
+        self.faulty_temperature = faulty_temperature
+
+    def new_state(self) -> None:
+        return None
+
+    def propose(self, states, updates, params, generators) -> DraftBlock:
+        tokens = torch.stack([torch.randint(0, 64, (3,), generator=g) for g in generators])  # [R, 3]
+        if any(p.temperature == self.faulty_temperature for p in params):
+            raise RuntimeError("injected drafter failure")
+        probs = self.draft_probs.expand(len(params), 3, -1).clone()  # [R, 3, V] the distribution drawn from
+        return DraftBlock(tokens, torch.full((len(params),), 3), probs)
+
+
+def test_a_seeded_sample_is_the_same_when_a_batch_mate_fails_after_drawing(make_target):
+    target = make_target("qwen2_5_vl")
+    mine = dict(prompt="Tell me a story about a fox.", max_new_tokens=12, temperature=1.0, seed=7)
+    doomed = dict(prompt="Hi", max_new_tokens=12, temperature=0.5, seed=1)
+    alone = BatchEngine(target, RandomDrafter(target.vocab_size, 0.5)).generate_many([mine])[0]
+    assert alone.stats.accepted < alone.stats.verified  # rejections: the sample depends on the generator's draws
+    engine = BatchEngine(target, RandomDrafter(target.vocab_size, 0.5))
+    result, failed = engine.generate_many([mine, doomed])
+    assert failed.finish_reason == "error" and "injected" in str(failed.error)
+    assert result.token_ids == alone.token_ids and result.finish_reason == alone.finish_reason

@@ -18,7 +18,7 @@ from stat_helpers import PROMPT, SUPPORT, chi_square_p_value, exact_first_tokens
 from torch import nn
 
 from vlmspec.drafters.base import PerRequestProposer
-from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter
+from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkProposer
 from vlmspec.engine import SpecEngine
 from vlmspec.scheduling import (
     BatchSPSTable,
@@ -76,7 +76,7 @@ def test_every_scheduler_runs_through_the_batch_engine_losslessly(name, confined
         for r in requests
     ]
     engine = BatchEngine(
-        confined_target, drafter.proposer(), build_scheduler(name, **SCHEDULERS[name]), max_batch_size=3
+        confined_target, DSparkProposer(drafter), build_scheduler(name, **SCHEDULERS[name]), max_batch_size=3
     )
     results = engine.generate_many(requests)
     assert [r.token_ids for r in results] == expected
@@ -97,7 +97,7 @@ def test_sampled_requests_follow_the_target_distribution(name, confined_target, 
         engine = BatchEngine(confined_target, OracleDrafter(confined_target), max_batch_size=16)
     else:  # DSpark drafts for 16 requests in one pass; Algorithm 1 splits one verification budget among them
         engine = BatchEngine(
-            confined_target, drafter.proposer(), build_scheduler("prefix", sps="cpu"), max_batch_size=16
+            confined_target, DSparkProposer(drafter), build_scheduler("prefix", sps="cpu"), max_batch_size=16
         )
     runs = 300
     results = engine.generate_many(
@@ -126,7 +126,7 @@ def test_algorithm_1_keeps_to_its_budget_and_gives_every_request_its_anchor(make
     budget = 9  # tokens per verification forward, for up to 4 requests with 4 drafts each (20 wanted)
     table = BatchSPSTable((1, 4), (flat_table(budget), flat_table(budget)))
     scheduler = make(table)
-    engine = BatchEngine(confined_target, drafter.proposer(), scheduler, max_batch_size=4)
+    engine = BatchEngine(confined_target, DSparkProposer(drafter), scheduler, max_batch_size=4)
     for request in mixed_requests(astronaut) + [dict(prompt="One more.", max_new_tokens=8)]:
         engine.add_request(**request)
     sizes = []
@@ -246,7 +246,7 @@ def test_a_seeded_request_gets_the_same_tokens_in_any_batch_only_where_the_readm
 ):
     def run(seeds: range, mates: list[dict]) -> list[list[int]]:
         engine = BatchEngine(
-            confined_target, drafter.proposer(), build_scheduler(name, **SCHEDULERS[name]), max_batch_size=8
+            confined_target, DSparkProposer(drafter), build_scheduler(name, **SCHEDULERS[name]), max_batch_size=8
         )
         mine = [dict(prompt=PROMPT, max_new_tokens=12, temperature=1.0, seed=seed) for seed in seeds]
         return [r.token_ids for r in engine.generate_many(mine + mates)[: len(mine)]]
@@ -264,7 +264,7 @@ def test_speculate_up_to_makes_a_seeded_sample_depend_on_the_batch(confined_targ
     """Drafting only while few requests run (vlmspec serve's default for the reference pair) changes the draws."""
 
     def run(mates: list[dict]) -> list[list[int]]:
-        engine = BatchEngine(confined_target, drafter.proposer(), max_batch_size=8, speculate_up_to=1)
+        engine = BatchEngine(confined_target, DSparkProposer(drafter), max_batch_size=8, speculate_up_to=1)
         mine = [dict(prompt=PROMPT, max_new_tokens=12, temperature=1.0, seed=seed) for seed in range(6)]
         return [r.token_ids for r in engine.generate_many(mine + mates)[:6]]
 
@@ -273,5 +273,5 @@ def test_speculate_up_to_makes_a_seeded_sample_depend_on_the_batch(confined_targ
 
 
 def run_one(target, drafter, seed: int) -> list[int]:
-    engine = BatchEngine(target, drafter.proposer(), max_batch_size=8, speculate_up_to=1)
+    engine = BatchEngine(target, DSparkProposer(drafter), max_batch_size=8, speculate_up_to=1)
     return engine.generate_many([dict(prompt=PROMPT, max_new_tokens=12, temperature=1.0, seed=seed)])[0].token_ids

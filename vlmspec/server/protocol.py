@@ -13,9 +13,9 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vlmspec.types import GenerationResult
+from vlmspec.types import GenerationResult, RequestOptions
 
 # How a vlmspec finish reason reads in the OpenAI API. "abort" never reaches a client (it left), and an
 # "error" is answered with a 500 or an error event instead. "context" (the model's context window ended the
@@ -79,7 +79,7 @@ class ChatCompletionRequest(_Strict):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # extension; 0 and -1 mean "no top-k", as in vLLM
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None  # as the OpenAI API
     stream: bool = False
     stream_options: StreamOptions | None = None
     # OpenAI fields that would change the answer: accepted only at their neutral values.
@@ -88,14 +88,6 @@ class ChatCompletionRequest(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     tools: list[Any] | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings(cls, stop: str | list[str] | None) -> list[str]:
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-            raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings")
-        return stops
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
@@ -120,6 +112,24 @@ class ChatCompletionRequest(_Strict):
     @property
     def top_k_or_none(self) -> int | None:
         return self.top_k if self.top_k is not None and self.top_k > 0 else None
+
+    def request_options(self, default_max_tokens: int, default_seed: int) -> RequestOptions:
+        """The engine's request options for this request (the defaults where it names no length or seed).
+
+        The fields' HTTP bounds are checked above; :class:`RequestOptions` checks the rest and
+        normalises the stop strings. What it refuses is answered with a 400 that names the field.
+        """
+        try:
+            return RequestOptions(
+                max_new_tokens=self.max_new_tokens or default_max_tokens,
+                temperature=self.temperature,
+                top_k=self.top_k_or_none,
+                top_p=self.top_p,
+                seed=default_seed if self.seed is None else self.seed,
+                stop=self.stop,
+            )
+        except ValueError as err:
+            raise APIError(400, str(err)) from None
 
 
 class APIError(Exception):

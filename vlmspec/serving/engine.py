@@ -12,8 +12,8 @@ Each :meth:`BatchEngine.step`:
    (:func:`vlmspec.serving.requests.prefill_request`);
 2. runs one step of the step API for all running requests: one drafter call
    (``decoder.propose``), one scheduler call on the [R, gamma] confidences
-   (``decoder.plan``), one target forward (``RaggedBatch.verify``), then
-   ``decoder.accept`` and the per-row rollback (``RaggedBatch.advance``);
+   (``decoder.plan``), one target forward (``RaggedBatch.verify``), ``decoder.verify``
+   and the per-row rollback (``RaggedBatch.advance``), then ``decoder.commit``;
 3. retires finished requests (EOS, stop string, length, abort, error): their rows leave
    the batch, their results wait in :meth:`BatchEngine.result`.
 
@@ -24,14 +24,18 @@ the same seed (float rounding apart, see ``tests/serving``).
 
 Failures stay with their request. Bad input to :meth:`add_request` raises before
 anything is queued. A prefill that fails ends that request with ``finish_reason
-"error"``. When a decode step raises before its commit, no request has changed
-(scheduling and the target forward commit nothing; the ragged batch only ever writes past
-each row's committed length), so the engine reruns the step one request at a time, with
-the drafts already made (or, if drafting itself failed, drafting each request alone): a
-request that fails alone ends with ``"error"`` (``result(id).error`` says why), the
-others go on. A failure in one request's commit ends only that request. If every request
-succeeds alone, the failure was the batch's (e.g. an SPS table too small for R
-requests): the step still completes, with a RuntimeWarning that says why.
+"error"``. A decode step runs in two phases. The compute phase (drafting, scheduling, the
+target forward, verification and the rows' KV lengths, set all at once) commits no
+request's output (the ragged batch only ever writes past each row's committed length),
+so when it raises the engine reruns it one request at a time, with the drafts already
+made (or, if drafting itself failed, drafting each request alone): a request that fails
+alone ends with ``"error"`` (``result(id).error`` says why), the others go on. Before
+each rerun a sampled request's generator is put back where it was before the failed
+attempt drew from it, so a seeded request still draws exactly what it draws alone. The
+commit phase runs once per request and is never rerun: a failure in one request's commit
+ends only that request. If every request succeeds alone, the failure was the batch's
+(e.g. an SPS table too small for R requests): the step still completes, with a
+RuntimeWarning that says why.
 """
 
 from __future__ import annotations
@@ -58,25 +62,11 @@ from vlmspec.serving.requests import (
     start_text_request,
     warn_if_context_cuts,
 )
-from vlmspec.serving.steps import SpecDecoder, SpecRequest
+from vlmspec.serving.steps import SpecDecoder, SpecRequest, VerifyPlan
 from vlmspec.targets.adapter import QwenVLTarget, TargetStep
 from vlmspec.targets.inputs import ImageLike, TargetInputs
 from vlmspec.targets.ragged import RaggedBatch
-from vlmspec.types import DraftBlock, GenerationResult, RoundRecord
-
-# add_request's keyword arguments, which generate_many accepts per request
-REQUEST_OPTIONS = (
-    "images",
-    "prompt",
-    "messages",
-    "max_new_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "seed",
-    "stop",
-    "request_id",
-)
+from vlmspec.types import DraftBlock, GenerationResult, RequestOptions, RoundRecord, VerifyResult
 
 
 @dataclass
@@ -91,6 +81,18 @@ class StepOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class _Verified:
+    """The compute phase of a step for some rows, done: what their commit needs (nothing is committed yet)."""
+
+    rows: list[int]  # the ragged rows that took part
+    plan: VerifyPlan  # their verification inputs: input_ids [R', 1 + w]
+    result: VerifyResult  # num_accepted [R'], next_tokens [R']
+    features: torch.Tensor | None  # [R', 1 + w, m * d] hooked target features of the inputs, or None
+    draft_s: float  # drafting and scheduling
+    verify_s: float  # the target forward and verification
 
 
 @dataclass
@@ -181,40 +183,34 @@ class BatchEngine:
         prompt: str | None = None,
         *,
         messages: list[dict] | None = None,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int = 0,
-        stop: str | Sequence[str] | None = None,
+        options: RequestOptions | None = None,
         request_id: str | None = None,
+        **overrides: Any,
     ) -> str:
         """Queue a request (arguments as for ``SpecEngine.generate``); returns its id.
 
-        Everything is validated here, before the request is queued, so bad input raises
-        a clear error and the running requests never notice.
+        ``options`` is a :class:`~vlmspec.types.RequestOptions`; request options given by
+        name (``max_new_tokens=64, temperature=0.7, seed=1, stop=...``) replace its fields
+        (:meth:`RequestOptions.build`). Everything is validated here, before the request is
+        queued, so bad input raises a clear error and the running requests never notice.
         """
+        options = RequestOptions.build(options, **overrides)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         elif not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if self._known(request_id):
             raise ValueError(f"request id {request_id!r} is already in use; pick another or let the engine choose")
-        request, inputs = new_request(
-            self.target,
-            self.decoder,
-            images,
-            prompt,
-            messages=messages,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            stop=stop,
-        )
+        request, inputs = new_request(self.target, self.decoder, images, prompt, messages=messages, options=options)
         self._waiting.append(_Entry(request_id, request, inputs, time.perf_counter(), inputs.length))
         return request_id
+
+    def request_options(self, request_id: str) -> RequestOptions:
+        """The options an unfinished request runs with (validated, its stop strings a tuple)."""
+        for entry in itertools.chain(self._waiting, self._running):
+            if entry.request_id == request_id:
+                return entry.request.options
+        raise KeyError(f"request {request_id!r} is not unfinished here; options are kept while a request runs")
 
     def abort(self, request_id: str) -> bool:
         """End a waiting or running request now (``finish_reason "abort"``); False if it is not unfinished here."""
@@ -263,11 +259,8 @@ class BatchEngine:
         """
         ids = []
         try:
-            for options in requests:
-                unknown = set(options) - set(REQUEST_OPTIONS)
-                if unknown:
-                    raise ValueError(f"unknown request options {sorted(unknown)}; use {', '.join(REQUEST_OPTIONS)}")
-                ids.append(self.add_request(**options))
+            for arguments in requests:
+                ids.append(self.add_request(**arguments))
         except Exception:
             for request_id in ids:
                 self.abort(request_id)
@@ -355,35 +348,57 @@ class BatchEngine:
             self._store(entry)
 
     def decode(self) -> list[StepOutput]:
-        """One speculative step for every running request (none: nothing); if it fails, once for each request alone."""
+        """One speculative step for every running request (none: nothing); if it fails, once for each request alone.
+
+        The compute phase (:meth:`_verify`) may be rerun request by request; the commit
+        phase (:meth:`_commit`) runs once for each request that got through it.
+        """
         if not self._running:
             return []
         rows = list(range(len(self._running)))
-        drafts = None
+        requests = [entry.request for entry in self._running]
+        undrafted = _GeneratorStates(requests)
+        tick = time.perf_counter()
         try:
-            tick = time.perf_counter()
-            requests = [entry.request for entry in self._running]
             drafting = self.speculate_up_to is None or len(requests) <= self.speculate_up_to
             drafts = self.decoder.propose(requests) if drafting else self.decoder.skip_drafting(requests)
-            outputs = self._step(rows, drafts, time.perf_counter() - tick)
         except Exception as batch_error:  # noqa: BLE001 - nothing was committed: find the request that fails
-            outputs = self._isolate(rows, drafts, batch_error)
+            outputs = self._isolate(rows, None, undrafted, batch_error)
+        else:
+            draft_s = time.perf_counter() - tick
+            drafted = _GeneratorStates(requests)
+            try:
+                verified = self._verify(rows, drafts, draft_s)
+            except Exception as batch_error:  # noqa: BLE001 - nothing was committed: find the request that fails
+                outputs = self._isolate(rows, drafts, drafted, batch_error)
+            else:
+                outputs = self._commit(verified)
         self._retire()
         return outputs
 
-    def _isolate(self, rows: list[int], drafts: DraftBlock | None, batch_error: Exception) -> list[StepOutput]:
-        """Rerun a failed step request by request (with the drafts already made, if drafting succeeded)."""
+    def _isolate(
+        self, rows: list[int], drafts: DraftBlock | None, generators: _GeneratorStates, batch_error: Exception
+    ) -> list[StepOutput]:
+        """Rerun a failed compute phase request by request (with the drafts already made, if drafting succeeded).
+
+        ``generators`` holds each request's generator state from before the failed attempt
+        (before drafting when ``drafts`` is None): it is restored, so the rerun draws what
+        the request would have drawn had the attempt never run.
+        """
         outputs, failed = [], 0
         for row in rows:
             entry = self._running[row]
+            generators.restore(row)
             try:
                 tick = time.perf_counter()
                 own = drafts.select([row]) if drafts is not None else self.decoder.propose([entry.request])
-                outputs += self._step([row], own, time.perf_counter() - tick)
+                verified = self._verify([row], own, time.perf_counter() - tick)
             except Exception as err:  # noqa: BLE001
                 entry.request.finish("error", err)
                 outputs.append(StepOutput(entry.request_id, [], "error", None))
                 failed += 1
+                continue
+            outputs += self._commit(verified)
         if not failed:  # not one request's fault: say so, or the engine would silently run one by one
             warnings.warn(
                 f"a step of {len(rows)} requests failed, but every request succeeded alone, so the step ran "
@@ -393,13 +408,15 @@ class BatchEngine:
             )
         return outputs
 
-    def _step(self, rows: list[int], drafts: DraftBlock, draft_s: float) -> list[StepOutput]:
-        """The step API after drafting, for the requests in ``rows`` of the ragged batch (the other rows sit it out).
+    def _verify(self, rows: list[int], drafts: DraftBlock, draft_s: float) -> _Verified:
+        """The compute phase after drafting for the requests in ``rows`` (the other rows of the batch sit it out).
 
+        Scheduling, one target forward, verification, and the rows' new KV lengths (set for
+        all rows at once, or not at all). No request's output changes here, so it may be
+        rerun; sampled requests draw from their generators (see :class:`_GeneratorStates`).
         drafts: the proposer's block for exactly these requests ([len(rows), gamma]), made in ``draft_s`` seconds.
         """
-        entries = [self._running[row] for row in rows]
-        requests = [entry.request for entry in entries]
+        requests = [self._running[row].request for row in rows]
         index = torch.tensor(rows, dtype=torch.long)  # [R'] rows taking part
         tick = time.perf_counter()
         room = [context_room(self.target, int(length)) for length in self._batch.lengths[index]]
@@ -412,21 +429,33 @@ class BatchEngine:
         tokens[index], num_tokens[index] = plan.input_ids, plan.num_inputs
         step = self._batch.verify(tokens, num_tokens)
         real = torch.arange(width) < plan.num_inputs[:, None]  # [R', 1 + w]
-        assert torch.equal(step.positions[index][real], plan.positions[real]), "target and drafter positions disagree"
+        if not torch.equal(step.positions[index][real], plan.positions[real]):
+            raise RuntimeError(
+                "internal invariant broken: the target's positions of the verified tokens differ from the "
+                "drafter's 1-D positions (the step API's plan); please report this with the request"
+            )
         features = None if step.features is None else step.features[index.to(step.features.device)]
-        accepted = self.decoder.accept(requests, plan, step.logits[index.to(step.logits.device)], features)
+        result = self.decoder.verify(requests, plan, step.logits[index.to(step.logits.device)], features)
         keep = torch.zeros(self._batch.num_rows, dtype=torch.long)
-        keep[index] = accepted.keep
-        self._batch.advance(keep)
-        done = time.perf_counter()
+        keep[index] = result.num_accepted + 1  # the anchor and the accepted drafts stay in the KV cache
+        self._batch.advance(keep)  # validates, then sets every row's length: all at once or not at all
+        return _Verified(rows, plan, result, features, draft_s + tock - tick, time.perf_counter() - tock)
 
+    def _commit(self, verified: _Verified) -> list[StepOutput]:
+        """The commit phase: each request of the step commits its round, once (a failure ends only that request)."""
+        entries = [self._running[row] for row in verified.rows]
+        requests = [entry.request for entry in entries]
+        accepted = self.decoder.commit(requests, verified.plan, verified.result, verified.features)
         outputs = []
-        for entry, row, record in zip(entries, rows, accepted.records):
-            stats = entry.request.stats
-            stats.draft_s += draft_s + tock - tick
-            stats.verify_s += done - tock
-            end_at_context(self.target, entry.request, int(self._batch.lengths[row]))
-            outputs.append(StepOutput(entry.request_id, record.tokens, entry.request.finish_reason, record))
+        for entry, row, record in zip(entries, verified.rows, accepted.records, strict=True):
+            request = entry.request
+            try:
+                request.stats.draft_s += verified.draft_s
+                request.stats.verify_s += verified.verify_s
+                end_at_context(self.target, request, int(self._batch.lengths[row]))
+            except Exception as err:  # noqa: BLE001 - its round is committed: never rerun, end only this request
+                request.finish("error", err)
+            outputs.append(StepOutput(entry.request_id, record.tokens, request.finish_reason, record))
         return outputs
 
     def _retire(self) -> None:
@@ -455,6 +484,24 @@ class BatchEngine:
         return request_id in self._results or any(
             e.request_id == request_id for e in itertools.chain(self._waiting, self._running)
         )
+
+
+class _GeneratorStates:
+    """The generator states of a step's sampled requests, to undo the draws of an attempt that failed.
+
+    A failed batched attempt may have drawn from some generators (a proposer that sampled
+    for a few requests, then raised; verification of one group of rows before another
+    failed). Restoring them before the rerun keeps each seeded request's sample the one it
+    gets alone. Greedy requests are skipped: no draw changes their output.
+    """
+
+    def __init__(self, requests: Sequence[SpecRequest]) -> None:
+        self._generators = [r.generator for r in requests]
+        self._states = [None if r.params.greedy else r.generator.get_state() for r in requests]  # by row
+
+    def restore(self, row: int) -> None:
+        if self._states[row] is not None:
+            self._generators[row].set_state(self._states[row])
 
 
 def _check_positive(name: str, value: object) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Sequence
-from typing import Any
 
 from vlmspec.serving.steps import SpecDecoder, SpecRequest
 from vlmspec.targets.adapter import QwenVLTarget, RequestState, TargetStep, prefill_output
 from vlmspec.targets.inputs import ImageLike, TargetInputs
+from vlmspec.types import RequestOptions
 
 CONTEXT_FINISH = "context"  # the finish reason of a request the context window cut short (see end_at_context)
 
@@ -21,15 +21,14 @@ def new_request(
     prompt: str | None,
     *,
     messages: list[dict] | None,
-    **sampling: Any,
+    options: RequestOptions,
 ) -> tuple[SpecRequest, TargetInputs]:
     """A step-API request that stops as ``target`` does (its EOS ids, tokenizer, device), and its processed inputs.
 
-    ``sampling``: max_new_tokens, temperature, top_k, top_p, seed, stop. Both are validated
-    here, so bad input raises before anything runs.
+    The inputs are validated here, so bad input raises before anything runs (``options`` were when built).
     """
     request = decoder.new_request(
-        eos_token_ids=target.eos_token_ids, tokenizer=target.tokenizer, device=target.device, **sampling
+        options, eos_token_ids=target.eos_token_ids, tokenizer=target.tokenizer, device=target.device
     )
     return request, target.build_inputs(images, prompt, messages=messages)
 

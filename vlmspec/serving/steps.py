@@ -31,14 +31,17 @@ What crosses each boundary:
 * ``accept``: verification (greedy matching or lossless rejection sampling, with request
   r's own params and generator) and commit: each request appends its accepted drafts and
   the recovered or bonus token, checks EOS / stop strings / length, and keeps what the
-  proposer absorbs next step. ``keep[r] = accepted + 1`` is how many of request r's inputs
+  proposer absorbs next step (``accept`` is ``verify`` then ``commit``, which a host that
+  retries failed steps calls apart). ``keep[r] = accepted + 1`` is how many of request r's inputs
   stay in its KV cache; the rest must be rolled back (vLLM: decrement the computed tokens).
 
 Requests that finished (``request.finished``) must leave the batch before the next
 ``propose``. A request whose own commit raises is finished with reason ``"error"``
 (``request.error`` holds the exception); the other requests of the step are unaffected.
-``propose``, ``plan`` and the verification inside ``accept`` change no request when they
-raise, so a host may retry the step, e.g. request by request to find the one that fails.
+``propose``, ``plan`` and ``verify`` commit nothing, so when they raise a host may retry
+the step, e.g. request by request to find the one that fails; sampled requests may have
+drawn from their generators by then, so such a host restores their states before the retry
+(:class:`~vlmspec.serving.BatchEngine` does). ``commit`` runs once per step: it is never retried.
 
 ``vlmspec.SpecEngine`` (R = 1) and :class:`vlmspec.serving.BatchEngine` are hosts built
 only from these calls. What this module does not know: the target, its cache, M-RoPE.
@@ -56,7 +59,16 @@ import torch
 from vlmspec.drafters.base import NoDraft, Proposer
 from vlmspec.sampling import sample, target_probs
 from vlmspec.scheduling.base import Scheduler, VerifyAll
-from vlmspec.types import ContextUpdate, DraftBlock, PrefillOutput, RoundRecord, SamplingParams, SpecStats
+from vlmspec.types import (
+    ContextUpdate,
+    DraftBlock,
+    PrefillOutput,
+    RequestOptions,
+    RoundRecord,
+    SamplingParams,
+    SpecStats,
+    VerifyResult,
+)
 from vlmspec.verify import verify_rows
 
 
@@ -68,11 +80,9 @@ class SpecRequest:
     (KV cache, positions) beside it.
     """
 
-    params: SamplingParams
+    options: RequestOptions  # how it samples and stops (validated, stop strings normalised)
     generator: torch.Generator  # seeded per request; every draw of this request comes from it
-    max_new_tokens: int
     eos_token_ids: frozenset[int]
-    stop: tuple[str, ...] = ()
     tokenizer: Any = None  # decodes the output's tail for stop strings (needed only with stop strings)
     draft_state: Any = None  # the proposer's own per-request state (proposer.new_state())
     update: ContextUpdate | None = None  # what the proposer absorbs at the start of the next step
@@ -82,6 +92,19 @@ class SpecRequest:
     finish_reason: str | None = None  # "eos", "stop", "length", "context", "abort" or "error"
     error: BaseException | None = None  # why the request failed (finish_reason "error")
     stats: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def params(self) -> SamplingParams:
+        """The distribution the target samples from (what the proposer and verification take)."""
+        return self.options.sampling
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.options.max_new_tokens
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        return self.options.stop
 
     @property
     def finished(self) -> bool:
@@ -190,30 +213,24 @@ class SpecDecoder:
     # ------------------------------------------------------------ requests
     @staticmethod
     def new_request(
+        options: RequestOptions | None = None,
         *,
         eos_token_ids: Sequence[int],
         tokenizer: Any = None,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int = 0,
-        stop: str | Sequence[str] | None = None,
         device: str | torch.device = "cpu",
+        **overrides: Any,
     ) -> SpecRequest:
-        """A validated request; ``seed`` seeds its own generator (on ``device``), so its draws are its own."""
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
-        if stops and tokenizer is None:
+        """A request with ``options`` (a :class:`~vlmspec.types.RequestOptions`), or with these keywords replaced.
+
+        ``overrides`` are request options by name (``max_new_tokens=64, temperature=0.7``,
+        see :meth:`RequestOptions.build`). The seed seeds the request's own generator (on
+        ``device``), so its draws are its own.
+        """
+        options = RequestOptions.build(options, **overrides)
+        if options.stop and tokenizer is None:
             raise ValueError("stop strings need the tokenizer that decodes the output: pass tokenizer=...")
-        generator = torch.Generator(device=device).manual_seed(seed)
-        return SpecRequest(params, generator, max_new_tokens, frozenset(eos_token_ids), stops, tokenizer)
+        generator = torch.Generator(device=device).manual_seed(options.seed)
+        return SpecRequest(options, generator, frozenset(eos_token_ids), tokenizer)
 
     def start(self, request: SpecRequest, prefill: PrefillOutput) -> list[int]:
         """After the host's prefill: draw the first token, commit it, and open the drafter's state."""
@@ -316,7 +333,26 @@ class SpecDecoder:
         logits: torch.Tensor,  # [R, 1 + w, V] the host's target logits for the plan's inputs
         features: torch.Tensor | None = None,  # [R, 1 + w, m * d] hooked features of those inputs, or None
     ) -> Acceptance:
-        """Verify every request's drafts against the target's logits and commit the outcome."""
+        """Verify every request's drafts against the target's logits and commit the outcome.
+
+        The same as :meth:`verify`, then :meth:`commit`: a host that retries a failed step
+        calls them apart, so that nothing it retries has committed.
+        """
+        return self.commit(requests, plan, self.verify(requests, plan, logits, features), features)
+
+    def verify(
+        self,
+        requests: Sequence[SpecRequest],
+        plan: VerifyPlan,
+        logits: torch.Tensor,  # [R, 1 + w, V] the host's target logits for the plan's inputs
+        features: torch.Tensor | None = None,  # [R, 1 + w, m * d] hooked features of those inputs (shape-checked)
+    ) -> VerifyResult:
+        """Verification alone (greedy matching or lossless rejection sampling, each request with its own params).
+
+        It commits nothing, but sampled requests draw from their generators: a host that
+        retries after a failure restores their states first (``generator.get_state()``)
+        so that a seeded request draws what it would have drawn alone.
+        """
         width = plan.input_ids.shape[1]
         if logits.dim() != 3 or tuple(logits.shape[:2]) != (len(requests), width):
             raise ValueError(
@@ -329,7 +365,22 @@ class SpecDecoder:
             )
         block = _on(plan.block, logits.device)
         result = verify_rows(block, logits, [r.params for r in requests], [r.generator for r in requests])
-        num_accepted, next_tokens = result.num_accepted.cpu(), result.next_tokens.cpu()
+        return VerifyResult(num_accepted=result.num_accepted.cpu(), next_tokens=result.next_tokens.cpu())
+
+    def commit(
+        self,
+        requests: Sequence[SpecRequest],
+        plan: VerifyPlan,
+        verified: VerifyResult,  # [R] accepted counts and next tokens, from :meth:`verify`
+        features: torch.Tensor | None = None,  # [R, 1 + w, m * d] hooked features of the plan's inputs, or None
+    ) -> Acceptance:
+        """Commit each request's round: its accepted drafts, then the recovered or bonus token.
+
+        Each request appends them, checks EOS / stop strings / length, and keeps what the
+        proposer absorbs next step. Call it once per :meth:`verify`: a commit is not undone.
+        A failure in one request's commit ends only that request (finish_reason "error").
+        """
+        num_accepted, next_tokens = verified.num_accepted.cpu(), verified.next_tokens.cpu()
         records = [
             self._commit(request, plan, row, int(num_accepted[row]), int(next_tokens[row]), features)
             for row, request in enumerate(requests)
@@ -346,10 +397,11 @@ class SpecDecoder:
         features: torch.Tensor | None,
     ) -> RoundRecord:
         """Commit one request's round; a failure here ends only this request (finish_reason "error")."""
-        drafted, verified = int(plan.drafts.num_tokens[row]), int(plan.block.num_tokens[row])
-        source = None if plan.drafts.sources is None else plan.drafts.sources[row]
-        committed: list[int] = []
+        drafted = verified = 0
+        source, confidences, committed = None, None, []
         try:
+            drafted, verified = int(plan.drafts.num_tokens[row]), int(plan.block.num_tokens[row])
+            source = None if plan.drafts.sources is None else plan.drafts.sources[row]
             request.stats.record_round(drafted=drafted, verified=verified, accepted=accepted)
             if source is not None:
                 request.stats.rounds_by_source[source] = request.stats.rounds_by_source.get(source, 0) + 1
@@ -365,9 +417,9 @@ class SpecDecoder:
             if not request.update_proposed:  # this step skipped drafting: keep its span for the proposer
                 request.skipped_updates.append(request.update)
             request.update, request.update_proposed = update, False
+            confidences = _row_confidences(plan.drafts.confidences, row)
         except Exception as err:  # noqa: BLE001 - isolated to this request, reported on it
             request.finish("error", err)
-        confidences = _row_confidences(plan.drafts.confidences, row)
         return RoundRecord(drafted, verified, accepted, confidences, committed, source)
 
 
