@@ -6,6 +6,7 @@ import pytest
 from server_helpers import MODEL
 from tiny_drafters import tiny_drafter
 
+from vlmspec.drafters.dspark import DSparkProposer
 from vlmspec.server import BackgroundServer, ServerConfig
 from vlmspec.serving import BatchEngine
 
@@ -19,7 +20,7 @@ def server_target(make_target):
 
 @pytest.fixture(scope="module")
 def drafter(server_target):
-    return tiny_drafter(server_target).proposer()
+    return DSparkProposer(tiny_drafter(server_target))
 
 
 @pytest.fixture(scope="module")

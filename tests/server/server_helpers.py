@@ -21,7 +21,12 @@ def data_url(image, size=(64, 64)) -> str:
     """A PIL image as a base64 PNG data: URL."""
     buffer = io.BytesIO()
     image.resize(size).save(buffer, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return png_data_url(buffer.getvalue())
+
+
+def png_data_url(data: bytes) -> str:
+    """Encoded PNG bytes as a base64 data: URL."""
+    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 def http(url: str, body: object | None = None, raw: bytes | None = None) -> tuple[int, object]:

@@ -5,18 +5,21 @@ Malformed requests go through plain HTTP, since the client refuses to send most 
 
 from __future__ import annotations
 
+import io
 import json
 import urllib.request
 
 import openai
 import pytest
 import torch
-from server_helpers import MODEL, data_url, http, metric, wait_until
+from image_helpers import bomb_png
+from server_helpers import MODEL, data_url, http, metric, png_data_url, wait_until
 
 from vlmspec.drafters import PerRequestProposer
 from vlmspec.engine import SpecEngine
 from vlmspec.server import BackgroundServer, ServerConfig
 from vlmspec.serving import BatchEngine
+from vlmspec.targets.inputs import ImageLimits
 from vlmspec.types import DraftBlock
 
 
@@ -177,11 +180,14 @@ BAD_REQUESTS = {
     "top_p zero": ({"messages": user("hi"), "top_p": 0}, None),
     "stream as a string": ({"messages": user("hi"), "stream": "yes"}, None),
     "five stop strings": ({"messages": user("hi"), "stop": ["a", "b", "c", "d", "e"]}, None),
+    "an empty stop string": ({"messages": user("hi"), "stop": ["a", ""]}, None),
     "n of two": ({"messages": user("hi"), "n": 2}, None),
     "no user content": ({"messages": [{"role": "system", "content": "be brief"}]}, None),
     "a remote image": ({"messages": user("hi", "https://example.com/cat.png")}, None),
     "an unreadable image": ({"messages": user("hi", "data:image/png;base64,aGVsbG8=")}, None),
     "bad base64": ({"messages": user("hi", "data:image/png;base64,***")}, None),
+    "a decompression bomb": ({"messages": user("hi", png_data_url(bomb_png(20_000, 20_000)))}, None),
+    "an image over the pixel limit": ({"messages": user("hi", png_data_url(bomb_png(8000, 6000)))}, None),
     "a local path": ({"messages": user("hi", "/etc/hostname")}, None),
     "a prompt over the context": ({"messages": user("hello " * 3000)}, None),
 }
@@ -317,10 +323,11 @@ def test_a_dead_engine_thread_answers_503_and_says_why(server_target):
     engine = BatchEngine(server_target, FatalDrafter(server_target.tokenizer))
     with BackgroundServer(engine, ServerConfig(MODEL)) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
-        with pytest.raises(openai.InternalServerError, match="caught fire"):
+        with pytest.raises(openai.APIStatusError, match="the engine thread died of Fatal.*caught fire") as failed:
             client.chat.completions.create(model=MODEL, messages=user("Hi"), max_tokens=5)
+        assert failed.value.status_code == 503
         status, health = http(f"{server.url}/health")
-        assert status == 503 and "caught fire" in health["error"]
+        assert status == 503 and health["status"] == "dead" and "caught fire" in health["error"]
         with pytest.raises(openai.APIStatusError, match="the engine is not running") as refused:
             client.chat.completions.create(model=MODEL, messages=user("Hi again"), max_tokens=5)
         assert refused.value.status_code == 503
@@ -332,6 +339,41 @@ def test_an_unreadable_image_gets_a_fix_an_http_client_can_apply(live):
     message = answer["error"]["message"]
     assert status == 400 and "base64 data: URL" in message
     assert "BytesIO" not in message and "PIL" not in message
+
+
+def test_a_decompression_bomb_gets_a_400_naming_the_limit_and_the_server_keeps_serving(live, client):
+    body = {"messages": user("hi", png_data_url(bomb_png(20_000, 20_000)))}  # 400 megapixels in 50 kB
+    status, answer = http(f"{live.base_url}/chat/completions", body)
+    assert status == 400, answer
+    error = answer["error"]
+    assert error["code"] == "image_too_large" and error["param"] == "messages[0].content[0].image_url.url"
+    assert "over the server's limit of 40,000,000" in error["message"] and "--max-image-pixels" in error["message"]
+    response = client.chat.completions.create(model=MODEL, messages=user("Hi"), max_tokens=3, temperature=0)
+    assert response.usage.completion_tokens == 3
+
+
+def test_images_over_the_configured_limits_get_a_400_before_decoding(server_target, drafter, astronaut, tmp_path):
+    photo = io.BytesIO()
+    astronaut.resize((64, 64)).save(photo, "PNG")
+    (tmp_path / "photo.png").write_bytes(photo.getvalue())
+    (tmp_path / "black.png").write_bytes(bomb_png(64, 64))
+    limits = ImageLimits(max_bytes=len(bomb_png(64, 64)) + 100, max_pixels=64 * 64)
+    assert len(photo.getvalue()) > limits.max_bytes
+    config = ServerConfig(MODEL, allowed_media=tmp_path, image_limits=limits)
+    with BackgroundServer(BatchEngine(server_target, drafter), config) as server:
+        url = f"{server.base_url}/chat/completions"
+        refused = {
+            "--max-image-bytes": [png_data_url(photo.getvalue()), str(tmp_path / "photo.png")],
+            "--max-image-pixels": [png_data_url(bomb_png(65, 64))],
+        }
+        for flag, images in refused.items():
+            for image in images:
+                status, answer = http(url, {"messages": user("Describe it.", image), "max_tokens": 2})
+                assert status == 400 and answer["error"]["code"] == "image_too_large", answer
+                assert flag in answer["error"]["message"], answer
+        for image in (png_data_url(bomb_png(64, 64)), str(tmp_path / "black.png")):  # at the limits: served
+            status, answer = http(url, {"messages": user("Describe it.", image), "max_tokens": 2})
+            assert status == 200, answer
 
 
 def test_an_answer_the_context_cuts_short_says_so(live, server_target, client):

@@ -8,8 +8,14 @@ import time
 
 import pytest
 
-from vlmspec.server.worker import EngineWorker, Overloaded
+from vlmspec.server.worker import EngineWorker, Overloaded, Unavailable
 from vlmspec.serving import BatchEngine
+
+DEADLINE_S = 20.0  # for anything that would wait forever if the worker forgot a request
+
+
+class Fatal(BaseException):
+    """Not an Exception: the worker's per-step guard lets it through, so it ends the engine thread."""
 
 
 async def settle(worker: EngineWorker) -> None:
@@ -68,5 +74,72 @@ def test_stopping_ends_every_request_and_refuses_new_ones(server_target):
         assert worker.active == 0 and not worker.alive
         with pytest.raises(RuntimeError, match="not running"):
             await worker.submit(prompt="Late.", max_new_tokens=4)
+
+    asyncio.run(scenario())
+
+
+def test_a_dying_engine_thread_answers_every_request_and_refuses_new_ones(server_target, monkeypatch):
+    """Running, engine-queued and not-yet-taken requests all end with an error naming the cause; none hangs."""
+
+    async def scenario() -> None:
+        engine = BatchEngine(server_target, max_batch_size=1)
+        worker = EngineWorker(engine, max_queued=4)
+        worker.start()
+        running = await worker.submit(prompt="Go on.", max_new_tokens=1500)
+        waiting = await worker.submit(prompt="Me too.", max_new_tokens=1500)  # in the engine's queue: one row
+        in_step, fire = threading.Event(), threading.Event()
+
+        def fatal_decode():
+            in_step.set()
+            fire.wait(DEADLINE_S)
+            raise Fatal("the machine caught fire")
+
+        monkeypatch.setattr(engine, "decode", fatal_decode)
+        assert await asyncio.to_thread(in_step.wait, DEADLINE_S)
+        not_taken = asyncio.ensure_future(worker.submit(prompt="And me.", max_new_tokens=4))
+        await asyncio.sleep(0)  # its command waits in the worker's queue behind the step
+        fire.set()
+
+        everyone = asyncio.gather(running.wait(), waiting.wait(), not_taken, return_exceptions=True)
+        *results, refused = await asyncio.wait_for(everyone, DEADLINE_S)
+        for result in results:
+            assert result.finish_reason == "error" and isinstance(result.error, Unavailable)
+            assert "caught fire" in str(result.error)
+        assert isinstance(refused, Unavailable) and "died of Fatal('the machine caught fire')" in str(refused)
+        with pytest.raises(Unavailable, match="the engine is not running.*caught fire"):
+            await asyncio.wait_for(worker.submit(prompt="Late.", max_new_tokens=4), 1.0)
+        assert not worker.alive and isinstance(worker.failure, Fatal)
+        await settle(worker)  # every admitted request was counted out
+        worker.stop(timeout=DEADLINE_S)
+
+    asyncio.run(scenario())
+
+
+def test_a_request_the_engine_lost_is_answered_without_killing_the_thread(server_target, monkeypatch):
+    """A request whose result the engine no longer has (aborted, stopped) still ends, as "abort"."""
+
+    async def scenario() -> None:
+        engine = BatchEngine(server_target, max_batch_size=2)
+        worker = EngineWorker(engine)
+        worker.start()
+        real_abort = engine.abort
+
+        def abort_and_lose(request_id: str) -> bool:
+            found = real_abort(request_id)
+            engine.pop_result(request_id)  # the engine forgets the request: no result to deliver
+            return found
+
+        monkeypatch.setattr(engine, "abort", abort_and_lose)
+        lost = await worker.submit(prompt="Go on.", max_new_tokens=1500)
+        worker.abort(lost)
+        assert (await asyncio.wait_for(lost.wait(), DEADLINE_S)).finish_reason == "abort"
+        served = await worker.submit(prompt="Still there?", max_new_tokens=3)
+        assert (await asyncio.wait_for(served.wait(), DEADLINE_S)).finish_reason == "length"
+        assert worker.alive
+        stopped = await worker.submit(prompt="Go on.", max_new_tokens=1500)
+        worker.stop(timeout=DEADLINE_S)  # aborts every tracked request, each one lost
+        assert (await asyncio.wait_for(stopped.wait(), DEADLINE_S)).finish_reason == "abort"
+        assert worker.failure is None
+        await settle(worker)
 
     asyncio.run(scenario())

@@ -2,9 +2,10 @@ import io
 
 import numpy as np
 import pytest
-from PIL import Image
+from image_helpers import bomb_png
+from PIL import Image, ImageFile
 
-from vlmspec.targets.inputs import chat_messages, load_image, load_images
+from vlmspec.targets.inputs import ImageLimits, ImageTooLarge, chat_messages, load_image, load_images
 
 
 def test_accepts_pil_path_array_and_bytes(tmp_path, astronaut, coffee):
@@ -57,3 +58,77 @@ def test_a_grey_array_is_accepted_as_the_readme_documents():
         load_image(np.zeros((3, 4, 2), dtype=np.uint8))
     with pytest.raises(ValueError, match="got shape \\(4,\\)"):
         load_image(np.zeros(4, dtype=np.uint8))
+
+
+@pytest.fixture
+def no_decoding(monkeypatch):
+    """Fail any test that makes Pillow decompress pixels (the header may be read)."""
+
+    def load(self):
+        raise AssertionError("the pixels were decoded before the limits were checked")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", load)
+
+
+def test_the_crafted_bomb_is_a_real_png():
+    """The helper's PNGs decode (a small one here), so the limits below refuse real images."""
+    image = load_image(bomb_png(64, 48))
+    assert image.size == (64, 48) and image.getextrema() == ((0, 0), (0, 0), (0, 0))
+
+
+def test_a_decompression_bomb_is_a_value_error_not_pillows_own(tmp_path, no_decoding):
+    bomb = bomb_png(20_000, 20_000)  # 400 million pixels: over Pillow's own guard
+    assert len(bomb) < 100_000
+    path = tmp_path / "bomb.png"
+    path.write_bytes(bomb)
+    for image in (bomb, path):
+        with pytest.raises(ImageTooLarge, match="decompression bomb.*ImageLimits.max_pixels=40,000,000"):
+            load_image(image)
+
+
+def test_pixels_over_the_limit_are_refused_before_decoding(tmp_path, no_decoding):
+    bomb = bomb_png(8000, 6000)  # 48 megapixels: under Pillow's guard, over the default limit
+    with pytest.raises(ValueError, match=r"48,000,000 pixels \(8000 x 6000\), over the limit ImageLimits.max_pixels"):
+        load_image(bomb)
+    with pytest.raises(ImageTooLarge, match=r"3,072 pixels .*\.max_pixels=3,071") as refused:
+        load_images([bomb_png(64, 48)], ImageLimits(max_pixels=3071))
+    assert (refused.value.limit, refused.value.allowed) == ("max_pixels", 3071)
+
+
+def test_pixels_at_the_limit_are_accepted():
+    assert load_image(bomb_png(64, 48), ImageLimits(max_pixels=64 * 48)).size == (64, 48)
+
+
+def test_bytes_over_the_limit_are_refused_before_reading(tmp_path, monkeypatch):
+    data = bomb_png(64, 48)
+    path = tmp_path / "small.png"
+    path.write_bytes(data)
+    limits = ImageLimits(max_bytes=len(data) - 1)
+    with pytest.raises(ImageTooLarge, match=f"{len(data)} bytes, over the limit ImageLimits.max_bytes={len(data) - 1}"):
+        load_image(data, limits)
+    monkeypatch.setattr(
+        type(path), "read_bytes", lambda self: pytest.fail("the file was read before its size was checked")
+    )
+    with pytest.raises(ImageTooLarge, match="small.png.*max_bytes"):
+        load_image(path, limits)
+
+
+def test_in_memory_images_are_not_held_to_the_limits(astronaut):
+    """A PIL image or an array is decoded already: the limits guard decoding, not the processor."""
+    limits = ImageLimits(max_bytes=1, max_pixels=1)
+    assert load_image(astronaut, limits).size == astronaut.size
+    assert load_image(np.zeros((4, 4, 3), dtype=np.uint8), limits).size == (4, 4)
+
+
+def test_a_broken_image_is_a_value_error(astronaut):
+    buffer = io.BytesIO()
+    astronaut.save(buffer, format="PNG")
+    data = buffer.getvalue()
+    with pytest.raises(ValueError, match="not a readable image"):
+        load_image(data[: len(data) // 2])  # the header is whole, the pixel data cut short
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, None])
+def test_limits_must_be_positive_integers(bad):
+    with pytest.raises(ValueError, match="ImageLimits.max_pixels must be a positive integer"):
+        ImageLimits(max_pixels=bad)

@@ -11,8 +11,10 @@ with uvicorn (``vlmspec serve`` does that). Endpoints:
 * ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
 
 Every request is validated before it reaches the engine: malformed ones get a 400 with an
-OpenAI-style error body, a full server a 429, a dead engine a 503. A client that
-disconnects has its request aborted, which frees its row of the batch and its cache.
+OpenAI-style error body (an image over the server's :class:`~vlmspec.targets.inputs.ImageLimits`
+or unreadable included), a full server a 429, a dead engine a 503 (and so does a request
+the engine thread died under). A client that disconnects has its request aborted, which
+frees its row of the batch and its cache.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from vlmspec.server.protocol import (
 )
 from vlmspec.server.worker import EngineWorker, Overloaded, RequestHandle, Unavailable
 from vlmspec.serving.engine import BatchEngine
+from vlmspec.targets.inputs import DEFAULT_IMAGE_LIMITS, ImageLimits
 from vlmspec.types import GenerationResult
 
 
@@ -56,6 +59,8 @@ class ServerConfig:
     max_queued: int = 64  # requests waiting for a batch row beyond max_batch_size running; then 429
     default_max_tokens: int = 256  # when a request gives neither max_tokens nor max_completion_tokens
     allowed_media: Path | None = None  # a folder local image paths may be read from (None: no local paths)
+    # caps on each image a request sends, checked before decoding (defaults: 20 MiB, 40 megapixels; see ImageLimits)
+    image_limits: ImageLimits = DEFAULT_IMAGE_LIMITS
 
 
 def create_app(engine: BatchEngine, config: ServerConfig | None = None) -> FastAPI:
@@ -105,7 +110,8 @@ def create_app(engine: BatchEngine, config: ServerConfig | None = None) -> FastA
         if result is None:  # the client went away: its request was aborted, nobody reads an answer
             return Response(status_code=499)
         if result.finish_reason == "error":
-            return JSONResponse(_server_error(result), status_code=500)
+            error = _generation_error(result)
+            return JSONResponse(error.body(), status_code=error.status)
         return JSONResponse(
             completion_body(request_id, config.model_name, handle.text.text, result, engine.target.max_context)
         )
@@ -117,7 +123,8 @@ def create_app(engine: BatchEngine, config: ServerConfig | None = None) -> FastA
     @app.get("/health")
     async def health() -> JSONResponse:
         if not worker.alive:
-            return JSONResponse({"status": "unavailable", "error": repr(worker.failure)}, status_code=503)
+            status = "unavailable" if worker.failure is None else "dead"  # dead: the engine thread ended in an error
+            return JSONResponse({"status": status, "error": str(worker.unavailable())}, status_code=503)
         return JSONResponse({"status": "ok", "active_requests": worker.active})
 
     @app.get("/metrics")
@@ -137,24 +144,17 @@ def serve(engine: BatchEngine, config: ServerConfig, *, host: str = "127.0.0.1",
 # --------------------------------------------------------------------------- handlers
 async def _engine_options(body: ChatCompletionRequest, engine: BatchEngine, config: ServerConfig) -> dict:
     """``BatchEngine.add_request`` arguments for the request (images are decoded off the event loop)."""
-    max_new_tokens = body.max_new_tokens or config.default_max_tokens
-    if max_new_tokens > engine.target.max_context:
+    options = body.request_options(config.default_max_tokens, default_seed=secrets.randbits(63))
+    if options.max_new_tokens > engine.target.max_context:
         raise APIError(
             400,
-            f"max_tokens is {max_new_tokens} but the model's context is {engine.target.max_context} tokens",
+            f"max_tokens is {options.max_new_tokens} but the model's context is {engine.target.max_context} tokens",
             param="max_tokens",
         )
-    messages, images = await asyncio.to_thread(engine_messages, body.messages, config.allowed_media)
-    return dict(
-        images=images or None,
-        messages=messages,
-        max_new_tokens=max_new_tokens,
-        temperature=body.temperature,
-        top_k=body.top_k_or_none,
-        top_p=body.top_p,
-        seed=secrets.randbits(63) if body.seed is None else body.seed,
-        stop=body.stop or None,
+    messages, images = await asyncio.to_thread(
+        engine_messages, body.messages, config.allowed_media, config.image_limits
     )
+    return dict(images=images or None, messages=messages, options=options)
 
 
 async def _submit(worker: EngineWorker, options: dict) -> RequestHandle:
@@ -203,7 +203,7 @@ async def _stream(
                 yield _event(chunk_body(request_id, model, {"content": delta.text}))
         result = handle.result
         if result.finish_reason == "error":
-            yield _event(_server_error(result))
+            yield _event(_generation_error(result).body())
         else:
             finish = FINISH_REASONS[result.finish_reason]
             yield _event(chunk_body(request_id, model, {}, finish, vlmspec=speculation(result, context)))
@@ -219,15 +219,11 @@ def _event(body: dict) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
-def _server_error(result: GenerationResult) -> dict:
-    return {
-        "error": {
-            "message": f"generation failed: {result.error!r}",
-            "type": "server_error",
-            "param": None,
-            "code": None,
-        }
-    }
+def _generation_error(result: GenerationResult) -> APIError:
+    """The answer to a request that ended in an error: 503 if the engine thread died under it, else 500."""
+    if isinstance(result.error, Unavailable):
+        return APIError(503, f"generation failed: {result.error}", code="engine_unavailable")
+    return APIError(500, f"generation failed: {result.error!r}")
 
 
 def _validation_error(err: RequestValidationError) -> APIError:

@@ -4,6 +4,10 @@ Images arrive as ``image_url`` parts. A ``data:`` URL carries the image itself (
 a local path (``file://...`` or a plain path) is read only when the server was started
 with an allowed folder and the path lies inside it. Remote URLs are never fetched: the
 server must not make requests on a client's behalf, and the answer says what to send.
+
+Every image is held to the server's :class:`~vlmspec.targets.inputs.ImageLimits` before it
+is decoded (a data URL's size is known from its base64 length, a file's from its size on
+disk), and decoded by the one reader, :func:`~vlmspec.targets.inputs.load_image`.
 """
 
 from __future__ import annotations
@@ -16,11 +20,18 @@ from urllib.parse import unquote, urlparse
 from PIL import Image
 
 from vlmspec.server.protocol import APIError, Message
-from vlmspec.targets.inputs import load_image
+from vlmspec.targets.inputs import DEFAULT_IMAGE_LIMITS, ImageLimits, ImageTooLarge, load_image
+
+LIMIT_FLAGS = {"max_bytes": "--max-image-bytes", "max_pixels": "--max-image-pixels"}  # vlmspec serve's names
 
 
-def engine_messages(messages: list[Message], allowed_media: Path | None = None) -> tuple[list[dict], list[Image.Image]]:
-    """The Hugging Face chat messages (``{"type": "image"}`` slots) and the images in slot order."""
+def engine_messages(
+    messages: list[Message], allowed_media: Path | None = None, limits: ImageLimits = DEFAULT_IMAGE_LIMITS
+) -> tuple[list[dict], list[Image.Image]]:
+    """The Hugging Face chat messages (``{"type": "image"}`` slots) and the images in slot order.
+
+    Raises :class:`APIError` (400) for an image that is unreadable, not allowed or over ``limits``.
+    """
     converted, images = [], []
     for index, message in enumerate(messages):
         content = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else []
@@ -30,7 +41,7 @@ def engine_messages(messages: list[Message], allowed_media: Path | None = None) 
                     content.append({"type": "text", "text": part.text})
                 else:
                     param = f"messages[{index}].content[{part_index}].image_url.url"
-                    images.append(read_image_url(part.image_url.url, allowed_media, param))
+                    images.append(read_image_url(part.image_url.url, allowed_media, param, limits))
                     content.append({"type": "image"})
         role = "system" if message.role == "developer" else message.role
         converted.append({"role": role, "content": content})
@@ -39,11 +50,34 @@ def engine_messages(messages: list[Message], allowed_media: Path | None = None) 
     return converted, images
 
 
-def read_image_url(url: str, allowed_media: Path | None, param: str) -> Image.Image:
+def read_image_url(
+    url: str, allowed_media: Path | None, param: str, limits: ImageLimits = DEFAULT_IMAGE_LIMITS
+) -> Image.Image:
     """One image from a ``data:`` URL or an allowed local path, or a 400 that says what to send instead."""
+    try:
+        return load_image(_encoded_image(url, allowed_media, param, limits), limits)
+    except ImageTooLarge as err:
+        raise APIError(
+            400,
+            f"the image has {err.found}, over the server's limit of {err.allowed:,}; send a smaller image "
+            f"(the limit is set by vlmspec serve {LIMIT_FLAGS[err.limit]})",
+            param=param,
+            code="image_too_large",
+        ) from None
+    except ValueError:  # Pillow's own words name Python objects: say what an HTTP client can change
+        raise APIError(
+            400,
+            "the image is not readable: it is in no image format the server reads, or broken; "
+            "send a PNG or JPEG file as a base64 data: URL (data:image/png;base64,...)",
+            param=param,
+        ) from None
+
+
+def _encoded_image(url: str, allowed_media: Path | None, param: str, limits: ImageLimits) -> bytes | Path:
+    """The encoded image a URL names: a data URL's bytes, or an allowed local file (read by load_image)."""
     scheme = urlparse(url).scheme.lower()
     if scheme == "data":
-        return _decode(_data_url_bytes(url, param), param)
+        return _data_url_bytes(url, param, limits)
     if scheme in ("http", "https", "ftp"):
         raise APIError(
             400,
@@ -53,18 +87,24 @@ def read_image_url(url: str, allowed_media: Path | None, param: str) -> Image.Im
             code="remote_url_not_allowed",
         )
     if scheme in ("file", ""):
-        return _decode(_local_file(url, allowed_media, param).read_bytes(), param)
+        return _local_file(url, allowed_media, param)
     raise APIError(400, f"unsupported image URL scheme {scheme!r}; send a base64 data: URL", param=param)
 
 
-def _data_url_bytes(url: str, param: str) -> bytes:
+def _data_url_bytes(url: str, param: str, limits: ImageLimits) -> bytes:
     header, comma, payload = url.partition(",")
     if not comma or not header.lower().endswith(";base64"):
         raise APIError(400, "image data URLs must be base64: data:image/png;base64,<data>", param=param)
+    limits.check_bytes(_base64_size(payload), param)  # before decoding it
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise APIError(400, "the image data URL is not valid base64", param=param) from None
+
+
+def _base64_size(payload: str) -> int:
+    """The number of bytes ``payload`` decodes to (4 characters carry 3 bytes, "=" pads the last group)."""
+    return len(payload) * 3 // 4 - (len(payload) - len(payload.rstrip("=")))
 
 
 def _local_file(url: str, allowed_media: Path | None, param: str) -> Path:
@@ -81,15 +121,3 @@ def _local_file(url: str, allowed_media: Path | None, param: str) -> Path:
     if not path.is_file():
         raise APIError(400, f"image file not found: {str(path)!r}", param=param)
     return path
-
-
-def _decode(data: bytes, param: str) -> Image.Image:
-    try:
-        return load_image(data)
-    except ValueError:
-        raise APIError(
-            400,
-            f"the image is not readable: its {len(data):,} bytes are in no image format the server reads; "
-            "send a PNG or JPEG file as a base64 data: URL (data:image/png;base64,...)",
-            param=param,
-        ) from None

@@ -11,6 +11,12 @@ an event otherwise.
 Admission is decided on the event loop (one thread, so the count cannot race): at most
 ``max_batch_size`` requests run and ``max_queued`` more wait; the next one is refused
 with :class:`Overloaded` (HTTP 429) instead of waiting without bound.
+
+Whatever ends the thread (``stop()``, or an error nothing below caught), it answers
+everything still waiting on it before it goes: each submit whose command never ran gets
+:class:`Unavailable`, each request in the engine its result (``"abort"`` on a stop,
+``"error"`` with an :class:`Unavailable` naming the cause when the thread died), and
+later submits are refused at once. So no caller waits on a thread that is gone.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import Any
 
 from vlmspec.serving.engine import BatchEngine, StepOutput
 from vlmspec.serving.text import TextDeltas
-from vlmspec.types import GenerationResult
+from vlmspec.types import GenerationResult, SpecStats
 
 LOG = logging.getLogger("vlmspec.server")
 
@@ -121,6 +127,9 @@ class EngineWorker:
         self._on_finish = on_finish
         self._on_step = on_step
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._sending = threading.Lock()  # a command is queued, or the thread has closed its queue: never both
+        self._closed: Unavailable | None = None  # set by the thread as it ends; no command is queued after
+        self._replies: set[concurrent.futures.Future] = set()  # submits' futures their commands have not answered
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -150,6 +159,12 @@ class EngineWorker:
         # failure first: a failed thread still runs for a moment while it fails its requests
         return self.failure is None and self._thread is not None and self._thread.is_alive() and not self._stopping
 
+    def unavailable(self) -> Unavailable:
+        """Why the worker takes no requests (meaningful when ``alive`` is False): the error submit() raises."""
+        if self.failure is not None:
+            return Unavailable(f"the engine is not running: the engine thread died of {self.failure!r}")
+        return Unavailable("the engine is not running: " + ("it is stopping" if self._thread else "it is not started"))
+
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will submit requests."""
         if self._thread is not None:
@@ -175,8 +190,7 @@ class EngineWorker:
         FileNotFoundError for bad input (nothing is queued then).
         """
         if not self.alive:
-            reason = f": the engine thread failed with {self.failure!r}" if self.failure else ""
-            raise Unavailable(f"the engine is not running{reason}")
+            raise self.unavailable()
         if self._active >= self.capacity:
             raise Overloaded(
                 f"the server is at capacity ({self.engine.max_batch_size} running, {self.max_queued} queued); "
@@ -185,7 +199,9 @@ class EngineWorker:
         self._active += 1
         handle = RequestHandle("", self._loop)
         taken: concurrent.futures.Future[str] = concurrent.futures.Future()
-        self._send(lambda: self._add(handle, options, taken))
+        if not self._send(lambda: self._add(handle, options, taken), reply=taken):
+            self._active -= 1
+            raise self.unavailable()  # the thread ended since `alive` was read
         try:
             handle.request_id = await asyncio.wrap_future(taken)
         except asyncio.CancelledError:  # the caller went away; the engine may take the request all the same
@@ -213,9 +229,20 @@ class EngineWorker:
             self._on_finish(handle, result)
 
     # ---------------------------------------------------------------- worker thread
-    def _send(self, command: Callable[[], None]) -> None:
-        self._commands.put(command)
+    def _send(self, command: Callable[[], None], reply: concurrent.futures.Future | None = None) -> bool:
+        """Queue a command for the thread; False if the thread has ended (the command will never run).
+
+        ``reply`` is the future the command answers: if the thread ends first, it is failed instead.
+        """
+        with self._sending:
+            if self._closed is not None:
+                return False
+            if reply is not None:
+                self._replies.add(reply)
+                reply.add_done_callback(self._replies.discard)
+            self._commands.put(command)
         self._wake.set()
+        return True
 
     def _run(self) -> None:
         try:
@@ -230,7 +257,20 @@ class EngineWorker:
         except BaseException as err:  # the thread must not die silently: /health and submit() report it
             self.failure = err
             LOG.critical("the engine thread stopped: %r", err, exc_info=True)
-            self._abort_all(error=err)
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        """The thread's last act: refuse new commands, then answer everyone still waiting on it."""
+        reason = self.unavailable()
+        with self._sending:
+            self._closed = reason
+            replies = list(self._replies)
+        while not self._commands.empty():
+            self._commands.get_nowait()  # never run: their submits are answered below
+        for reply in replies:
+            _fail(reply, reason)
+        self._abort_all(error=reason if self.failure is not None else None)
 
     def _run_commands(self) -> int:
         """Run the commands sent so far; returns how many."""
@@ -252,8 +292,8 @@ class EngineWorker:
             taken.set_exception(err)
             return
         handle.request_id = request_id
-        stop = options.get("stop") or ()
-        handle.text = TextDeltas(self.engine.target.tokenizer, [stop] if isinstance(stop, str) else stop)
+        stop = self.engine.request_options(request_id).stop  # the request's own, normalised once
+        handle.text = TextDeltas(self.engine.target.tokenizer, stop)
         self._handles[request_id] = handle
         taken.set_result(request_id)
 
@@ -289,17 +329,23 @@ class EngineWorker:
             self._deliver(request_id)
 
     def _abort_all(self, error: BaseException | None = None) -> None:
+        """End every tracked request: ``"abort"``, or ``"error"`` with ``error`` (the engine may be broken)."""
         for request_id in list(self._handles):
-            self.engine.abort(request_id)
-            if error is not None:
-                result = self.engine.result(request_id, pop=True)
-                result.finish_reason, result.error = "error", error
-                self._deliver_result(request_id, result)
-            else:
-                self._deliver(request_id)
+            try:
+                self.engine.abort(request_id)
+            except Exception as err:  # noqa: BLE001 - a broken engine: its requests are answered all the same
+                LOG.warning("aborting request %s failed: %r", request_id, err)
+            self._deliver(request_id, error)
 
-    def _deliver(self, request_id: str) -> None:
-        self._deliver_result(request_id, self.engine.result(request_id, pop=True))
+    def _deliver(self, request_id: str, error: BaseException | None = None) -> None:
+        """Hand the request's result to its handle; ``error`` turns it into ``finish_reason "error"``."""
+        result = self.engine.pop_result(request_id)
+        if result is None:  # the engine lost it (or it broke before storing it): answer it all the same
+            LOG.warning("the engine has no result for request %s", request_id)
+            result = GenerationResult("", [], SpecStats(), "abort")
+        if error is not None:
+            result.finish_reason, result.error = "error", error
+        self._deliver_result(request_id, result)
 
     def _deliver_result(self, request_id: str, result: GenerationResult) -> None:
         handle = self._handles.pop(request_id)
@@ -310,3 +356,10 @@ class EngineWorker:
             handle._post(Delta([], rest, time.perf_counter()))
         handle._post(result)
         self._loop.call_soon_threadsafe(self._finished, handle, result)
+
+
+def _fail(reply: concurrent.futures.Future, error: BaseException) -> None:
+    """Fail a future nobody will answer now, unless its caller has cancelled it."""
+    if reply.done() or not (reply.running() or reply.set_running_or_notify_cancel()):
+        return
+    reply.set_exception(error)

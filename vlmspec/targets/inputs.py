@@ -3,6 +3,12 @@
 Images may be a PIL image, a file path, a numpy array (H x W x 3, uint8 or float in
 [0, 1]), raw encoded bytes, a list of those, or None. Every problem is reported as an
 error that says what to pass instead, before any model state is touched.
+
+Encoded images (a file path, bytes) are checked against :class:`ImageLimits` before
+they are decoded: their size in bytes before they are read, their pixels (width x
+height, from the header Pillow reads lazily) before the pixels are decompressed. So a
+decompression bomb, a few kilobytes of PNG that would decode to gigabytes, costs nothing.
+PIL images and arrays are taken as they are: their memory is already spent.
 """
 
 from __future__ import annotations
@@ -21,6 +27,66 @@ from PIL import Image, UnidentifiedImageError
 ImageLike = Any  # PIL.Image.Image | str | os.PathLike | np.ndarray | bytes
 
 
+class ImageTooLarge(ValueError):
+    """An encoded image over one of its :class:`ImageLimits` (a ValueError: bad input).
+
+    ``limit`` names the field it is over (``"max_bytes"`` or ``"max_pixels"``), ``allowed``
+    its value and ``found`` what the image has ("25,165,824 bytes"), so a host can word the
+    fix in its own terms (the server names its command-line flag).
+    """
+
+    def __init__(self, what: str, found: str, limit: str, allowed: int) -> None:
+        self.found, self.limit, self.allowed = found, limit, allowed
+        super().__init__(
+            f"{what}: {found}, over the limit ImageLimits.{limit}={allowed:,}; pass a smaller image, "
+            f"or decode it under a raised limit and pass the PIL image: "
+            f"vlmspec.targets.inputs.load_image(image, limits=ImageLimits({limit}=...))"
+        )
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """Caps on one encoded image (a file, bytes, a data URL), checked before it is decoded.
+
+    ``max_bytes`` is checked before the data is read or base64-decoded, ``max_pixels``
+    (width x height) on the header before the pixels are decompressed, so neither a huge
+    file nor a decompression bomb costs memory. The defaults, with their reasons:
+
+    * ``max_pixels`` 40,000,000: a Qwen-VL processor scales every image down to at most
+      12.8 megapixels (Qwen2/2.5-VL's largest shipped ``max_pixels``; Qwen3-VL's is 16.8),
+      so more pixels buy nothing but decoding memory. 40 MP admits an 8K frame (33 MP) or a
+      24 MP photo with room, and decodes to 120 MB of RGB.
+    * ``max_bytes`` 20 MiB: holds such a photo as a high-quality JPEG, and is the per-image
+      size OpenAI's API documents.
+
+    Pillow's own decompression-bomb guard (about 179 MP by default) refuses larger images
+    whatever ``max_pixels`` says.
+    """
+
+    max_bytes: int = 20 * 1024 * 1024  # encoded size of one image
+    max_pixels: int = 40_000_000  # width * height of one image
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_pixels"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ImageLimits.{name} must be a positive integer, got {value!r}")
+
+    def check_bytes(self, size: int, what: str) -> None:
+        """Raise :class:`ImageTooLarge` if ``size`` encoded bytes are over ``max_bytes``."""
+        if size > self.max_bytes:
+            raise ImageTooLarge(what, f"{size:,} bytes", "max_bytes", self.max_bytes)
+
+    def check_pixels(self, size: tuple[int, int], what: str) -> None:
+        """Raise :class:`ImageTooLarge` if an image of ``size`` (width, height) is over ``max_pixels``."""
+        width, height = size
+        if width * height > self.max_pixels:
+            raise ImageTooLarge(what, f"{width * height:,} pixels ({width} x {height})", "max_pixels", self.max_pixels)
+
+
+DEFAULT_IMAGE_LIMITS = ImageLimits()
+
+
 @dataclass
 class TargetInputs:
     """Processor output for one request, ready for a prefill."""
@@ -36,8 +102,13 @@ class TargetInputs:
         return self.input_ids.shape[1]
 
 
-def load_image(image: ImageLike) -> Image.Image:
-    """One image as an RGB PIL image, with an error that says how to fix bad input."""
+def load_image(image: ImageLike, limits: ImageLimits = DEFAULT_IMAGE_LIMITS) -> Image.Image:
+    """One image as an RGB PIL image, with an error that says how to fix bad input.
+
+    A file or encoded bytes over ``limits`` raise :class:`ImageTooLarge` (a ValueError)
+    before they are decoded; data Pillow cannot decode raises ValueError. PIL images and
+    arrays are not checked against ``limits``: they are decoded already.
+    """
     if isinstance(image, Image.Image):
         return image.convert("RGB")
     if isinstance(image, (str, os.PathLike)):
@@ -46,9 +117,11 @@ def load_image(image: ImageLike) -> Image.Image:
             raise FileNotFoundError(
                 f"image file not found: {str(path)!r}; pass an existing path, a PIL image or an array"
             )
-        return _decode(path.read_bytes(), f"file {str(path)!r}")
+        what = f"file {str(path)!r}"
+        limits.check_bytes(path.stat().st_size, what)  # before reading it
+        return _decode(path.read_bytes(), what, limits)
     if isinstance(image, (bytes, bytearray)):
-        return _decode(bytes(image), "the given bytes")
+        return _decode(bytes(image), "the given bytes", limits)
     if isinstance(image, np.ndarray):
         return _from_array(image)
     raise TypeError(
@@ -57,13 +130,15 @@ def load_image(image: ImageLike) -> Image.Image:
     )
 
 
-def load_images(images: ImageLike | Sequence[ImageLike] | None) -> list[Image.Image]:
-    """Zero, one or several images as a list of RGB PIL images."""
+def load_images(
+    images: ImageLike | Sequence[ImageLike] | None, limits: ImageLimits = DEFAULT_IMAGE_LIMITS
+) -> list[Image.Image]:
+    """Zero, one or several images as a list of RGB PIL images (each checked as :func:`load_image` does)."""
     if images is None:
         return []
     if isinstance(images, (list, tuple)):
-        return [load_image(image) for image in images]
-    return [load_image(images)]
+        return [load_image(image, limits) for image in images]
+    return [load_image(images, limits)]
 
 
 def chat_messages(prompt: str | None, num_images: int) -> list[dict]:
@@ -88,14 +163,22 @@ def count_image_slots(messages: list[dict]) -> int:
     return slots
 
 
-def _decode(data: bytes, what: str) -> Image.Image:
+def _decode(data: bytes, what: str, limits: ImageLimits) -> Image.Image:
+    """The one image decoder: limits first, then Pillow; every failure is a ValueError."""
+    limits.check_bytes(len(data), what)
     try:
-        with Image.open(io.BytesIO(data)) as image:
+        with Image.open(io.BytesIO(data)) as image:  # reads the header only
+            limits.check_pixels(image.size, what)  # before the pixels are decompressed
             return image.convert("RGB")
+    except ImageTooLarge:
+        raise
+    except Image.DecompressionBombError:  # Image.open applies Pillow's own guard before we see the size
+        found = f"more than {2 * (Image.MAX_IMAGE_PIXELS or 0):,} pixels (Pillow refuses it as a decompression bomb)"
+        raise ImageTooLarge(what, found, "max_pixels", limits.max_pixels) from None
     except UnidentifiedImageError:
         reason = f"{len(data):,} bytes in no image format Pillow reads"  # Pillow's own text names a BytesIO object
-    except OSError as err:
-        reason = str(err)
+    except Exception as err:  # noqa: BLE001 - Pillow's plugins report broken data as OSError, SyntaxError, EOFError, struct.error ...
+        reason = f"{type(err).__name__}: {err}"
     raise ValueError(f"{what} is not a readable image ({reason}); pass a PNG/JPEG file, a PIL image or an array")
 
 
