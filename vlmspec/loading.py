@@ -117,9 +117,9 @@ def load_proposer(drafter: str | os.PathLike | Proposer | None, target: QwenVLTa
     path = reference_drafter_dir(str(drafter)) if str(drafter) in REFERENCE_DRAFTERS else Path(drafter)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(_unknown_drafter_message(str(drafter)))
-    from vlmspec.drafters.dspark import DSparkDrafter
+    from vlmspec.drafters.dspark import DSparkDrafter, DSparkProposer
 
-    proposer = DSparkDrafter.from_pretrained(path, target=target).proposer()
+    proposer = DSparkProposer(DSparkDrafter.from_pretrained(path, target=target))
     return reference_hybrid(proposer, target) if str(drafter) == "reference" else proposer
 
 

@@ -8,13 +8,17 @@ shaped GEMMs agree to 1e-5 absolute on logits of magnitude ~1-10.
 
 from __future__ import annotations
 
+import ast
 import math
+from graphlib import CycleError, TopologicalSorter
+from pathlib import Path
 
 import pytest
 import torch
 from stat_helpers import chi_square_p_value
 from torch import nn
 
+from vlmspec.drafters import dspark
 from vlmspec.drafters.base import Proposer
 from vlmspec.drafters.dspark import (
     HEAD_KINDS,
@@ -439,6 +443,29 @@ def updates(drafter: DSparkDrafter, spans: list[int]):
             anchor_position=int(positions[end]),
         )
         start = end
+
+
+def imported_dspark_modules(path: Path) -> set[str]:
+    """The modules of vlmspec.drafters.dspark that the file imports anywhere (in functions and for typing too)."""
+    prefix = "vlmspec.drafters.dspark."
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return {name.removeprefix(prefix).split(".")[0] for name in names if name.startswith(prefix)}
+
+
+def test_dspark_modules_import_each_other_one_way():
+    # The proposer is built on the drafter (DSparkProposer(drafter)); the drafter never reaches back for it.
+    files = [path for path in Path(dspark.__file__).parent.glob("*.py") if path.stem != "__init__"]
+    graph = {path.stem: imported_dspark_modules(path) for path in files}
+    assert "model" in graph["proposer"] and "proposer" not in graph["model"]
+    try:
+        tuple(TopologicalSorter(graph).static_order())
+    except CycleError as err:
+        pytest.fail(f"vlmspec.drafters.dspark modules import each other in a circle: {err.args[1]}")
 
 
 def test_proposer_follows_the_protocol():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from stat_helpers import PROMPT, SUPPORT, chi_square_p_value, exact_first_tokens
 
-from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter
+from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkProposer
 from vlmspec.engine import SpecEngine
 from vlmspec.types import SamplingParams
 
@@ -27,7 +27,7 @@ def untrained_drafter(target, **overrides) -> DSparkDrafter:
 
 def test_greedy_with_an_untrained_drafter_equals_the_target_alone(family, make_target, astronaut):
     target = make_target(family)
-    engine = SpecEngine(target, untrained_drafter(target).proposer())
+    engine = SpecEngine(target, DSparkProposer(untrained_drafter(target)))
     alone = engine.generate(astronaut, PROMPT, max_new_tokens=10, speculative=False)
     spec = engine.generate(astronaut, PROMPT, max_new_tokens=10)
     assert spec.token_ids == alone.token_ids
@@ -35,7 +35,7 @@ def test_greedy_with_an_untrained_drafter_equals_the_target_alone(family, make_t
 
 
 def test_greedy_on_the_confined_target_accepts_drafts_and_stays_exact(confined_target, astronaut):
-    engine = SpecEngine(confined_target, untrained_drafter(confined_target).proposer())
+    engine = SpecEngine(confined_target, DSparkProposer(untrained_drafter(confined_target)))
     alone = engine.generate(astronaut, PROMPT, max_new_tokens=12, speculative=False)
     spec = engine.generate(astronaut, PROMPT, max_new_tokens=12)
     assert spec.token_ids == alone.token_ids
@@ -76,7 +76,7 @@ def test_sampling_with_an_untrained_drafter_follows_the_target_distribution(conf
     assert abs(sum(joint.values()) - 1.0) < 1e-4  # the bias really confines the target to SUPPORT
     drafter = untrained_drafter(confined_target, block_size=3)
     scale_up_head(drafter)
-    assert_first_tokens_follow(joint, SpecEngine(confined_target, drafter.proposer()), astronaut)
+    assert_first_tokens_follow(joint, SpecEngine(confined_target, DSparkProposer(drafter)), astronaut)
 
 
 def reduced_vocabulary_drafter(target, ids, **overrides) -> DSparkDrafter:
@@ -88,7 +88,7 @@ def reduced_vocabulary_drafter(target, ids, **overrides) -> DSparkDrafter:
 def test_greedy_with_a_reduced_draft_vocabulary_equals_the_target_alone(confined_target, astronaut):
     # Three of the four tokens the target can produce, and ids it never produces.
     drafter = reduced_vocabulary_drafter(confined_target, [*SUPPORT[:3], 11, 12, 13])
-    engine = SpecEngine(confined_target, drafter.proposer())
+    engine = SpecEngine(confined_target, DSparkProposer(drafter))
     alone = engine.generate(astronaut, PROMPT, max_new_tokens=12, speculative=False)
     spec = engine.generate(astronaut, PROMPT, max_new_tokens=12)
     assert spec.token_ids == alone.token_ids
@@ -106,4 +106,4 @@ def test_sampling_with_a_reduced_draft_vocabulary_follows_the_target_distributio
     joint = exact_first_tokens(confined_target, astronaut, params)
     drafter = reduced_vocabulary_drafter(confined_target, [*SUPPORT[:3], 11, 12], block_size=3)
     scale_up_head(drafter)
-    assert_first_tokens_follow(joint, SpecEngine(confined_target, drafter.proposer()), astronaut)
+    assert_first_tokens_follow(joint, SpecEngine(confined_target, DSparkProposer(drafter)), astronaut)

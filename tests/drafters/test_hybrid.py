@@ -14,7 +14,7 @@ from stat_helpers import PROMPT, SUPPORT, chi_square_p_value, exact_first_tokens
 
 from vlmspec.drafters.base import PerRequestProposer
 from vlmspec.drafters.corpus_lookup import CorpusLookup, TokenCorpus
-from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter
+from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkProposer
 from vlmspec.drafters.hybrid import CORPUS, MODEL, NGRAM, HybridProposer
 from vlmspec.drafters.prompt_lookup import PromptLookup
 from vlmspec.engine import SpecEngine
@@ -39,7 +39,7 @@ def hybrid(target, corpus: TokenCorpus | None = None, *, smoothing: float = 1.0,
     policy = DraftingPolicy(COSTS, priors={MODEL: 1.0, NGRAM: 1.0, CORPUS: 1.0}, smoothing=smoothing, probe_every=4)
     ngram = PromptLookup(max_draft_tokens=4, max_ngram=3, min_ngram=1)
     lookup = None if corpus is None else CorpusLookup(corpus, max_draft_tokens=4, min_count=1)
-    return HybridProposer(untrained_drafter(target, **overrides).proposer(), policy, ngram=ngram, corpus=lookup)
+    return HybridProposer(DSparkProposer(untrained_drafter(target, **overrides)), policy, ngram=ngram, corpus=lookup)
 
 
 def answers_corpus(target, prompts) -> TokenCorpus:

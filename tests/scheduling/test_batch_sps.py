@@ -52,6 +52,10 @@ def test_json_round_trip_and_loading_either_kind(tmp_path):
         BatchSPSTable((1, 20), (curve(1, 0.001), curve(4, 0.004)))
     with pytest.raises(ValueError, match="no SPS table"):
         load_sps_table(tmp_path / "missing.json")
+    later = TABLE.save(tmp_path / "later.json")
+    later.write_text(later.read_text().replace('"version": 1', '"version": 2', 1))
+    with pytest.raises(ValueError, match="not a batch SPS table: version 2 is not supported.*vlmspec profile"):
+        load_sps_table(later)
 
 
 def test_schedulers_use_the_curve_of_the_batch_they_schedule():

@@ -127,6 +127,15 @@ def test_records_are_validated(tmp_path: Path) -> None:
         RoundRecords.load(tmp_path / "x.json")
 
 
+@pytest.mark.parametrize("suffix", [".json", ".npz"])
+def test_unreadable_or_missing_records_name_the_fix(tmp_path: Path, suffix: str) -> None:
+    with pytest.raises(ValueError, match="no round records at .*RoundRecorder"):
+        RoundRecords.load(tmp_path / f"missing{suffix}")
+    (tmp_path / f"bad{suffix}").write_bytes(b"not a records file")
+    with pytest.raises(ValueError, match=f"bad{suffix} is not .*; record rounds with RoundRecorder"):
+        RoundRecords.load(tmp_path / f"bad{suffix}")
+
+
 def test_recorder_accumulates_rounds_in_the_records_format(tmp_path: Path) -> None:
     recorder = RoundRecorder()
     recorder.record(

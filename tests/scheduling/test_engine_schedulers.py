@@ -12,7 +12,7 @@ import pytest
 import torch
 from stat_helpers import PROMPT, chi_square_p_value, exact_first_tokens, sample_first_tokens
 
-from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter
+from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkProposer
 from vlmspec.engine import SpecEngine
 from vlmspec.scheduling import build_scheduler
 from vlmspec.types import SamplingParams
@@ -42,7 +42,7 @@ def drafter(confined_target) -> DSparkDrafter:
 
 @pytest.mark.parametrize("name", SCHEDULERS)
 def test_greedy_output_is_unchanged_and_lengths_vary(name, confined_target, drafter, astronaut):
-    engine = SpecEngine(confined_target, drafter.proposer(), build_scheduler(name, **SCHEDULERS[name]))
+    engine = SpecEngine(confined_target, DSparkProposer(drafter), build_scheduler(name, **SCHEDULERS[name]))
     alone = engine.generate(astronaut, PROMPT, max_new_tokens=24, speculative=False)
     spec = engine.generate(astronaut, PROMPT, max_new_tokens=24)
     assert spec.token_ids == alone.token_ids
@@ -54,7 +54,7 @@ def test_greedy_output_is_unchanged_and_lengths_vary(name, confined_target, draf
 def test_sampled_output_follows_the_target_distribution(name, confined_target, drafter, astronaut):
     params = SamplingParams(temperature=1.0)
     joint = exact_first_tokens(confined_target, astronaut, params)
-    engine = SpecEngine(confined_target, drafter.proposer(), build_scheduler(name, **SCHEDULERS[name]))
+    engine = SpecEngine(confined_target, DSparkProposer(drafter), build_scheduler(name, **SCHEDULERS[name]))
     runs = 300
     counts, totals = sample_first_tokens(engine, astronaut, runs, params, joint)
     # The scheduler must really have cut blocks short, and drafts must be both kept and rejected.

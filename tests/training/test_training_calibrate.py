@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from training_helpers import tiny_drafter
 
+from vlmspec.drafters.dspark import DSparkProposer
 from vlmspec.engine import SpecEngine
 from vlmspec.scheduling.base import VerifyAll
 from vlmspec.scheduling.calibration import Calibration, RoundRecords
@@ -13,7 +14,7 @@ from vlmspec.training import calibrate, run_heldout
 
 def test_heldout_rounds_match_the_engines_statistics_and_calibrate(target, prompts, tmp_path):
     drafter = tiny_drafter(target)
-    engine = SpecEngine(target, drafter.proposer())
+    engine = SpecEngine(target, DSparkProposer(drafter))
     scheduler = engine.scheduler
     run = run_heldout(engine, prompts[:2], max_new_tokens=8, show_progress=False)
     assert engine.scheduler is scheduler and isinstance(scheduler, VerifyAll)  # the engine is read, never patched
@@ -30,7 +31,7 @@ def test_heldout_rounds_match_the_engines_statistics_and_calibrate(target, promp
 
 def test_a_drafter_without_confidence_head_cannot_be_calibrated(target, prompts, tmp_path):
     drafter = tiny_drafter(target, confidence_head=False, confidence_with_markov=False)
-    run = run_heldout(SpecEngine(target, drafter.proposer()), prompts[:1], max_new_tokens=4, show_progress=False)
+    run = run_heldout(SpecEngine(target, DSparkProposer(drafter)), prompts[:1], max_new_tokens=4, show_progress=False)
     assert run.records is None
     with pytest.raises(ValueError, match="confidence head"):
         calibrate(run, tmp_path)

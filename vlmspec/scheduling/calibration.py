@@ -51,6 +51,7 @@ from vlmspec.metrics import (
     prefix_labels,
 )
 from vlmspec.scheduling.base import Scheduler
+from vlmspec.scheduling.documents import read_json, tag_problem, write_json
 
 RECORDS_FORMAT = "vlmspec.round_records"
 CALIBRATION_FORMAT = "vlmspec.calibration"
@@ -125,9 +126,9 @@ class RoundRecords:
     def save(self, path: str | Path) -> Path:
         """Write to ``path``: NPZ if it ends in ``.npz``, JSON otherwise."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        meta = {**self.meta, "format": RECORDS_FORMAT, "version": VERSION}
         if path.suffix == ".npz":
+            path.parent.mkdir(parents=True, exist_ok=True)
+            meta = {**self.meta, "format": RECORDS_FORMAT, "version": VERSION}
             with path.open("wb") as handle:  # a file handle keeps numpy from appending another suffix
                 np.savez_compressed(
                     handle,
@@ -137,38 +138,25 @@ class RoundRecords:
                     num_accepted=self.num_accepted.numpy(),
                     meta_json=np.array(json.dumps(meta)),
                 )
-        else:
-            document = {
-                "format": RECORDS_FORMAT,
-                "version": VERSION,
-                "gamma": self.gamma,
-                "confidences": self.confidences.tolist(),
-                "num_drafted": self.num_drafted.tolist(),
-                "num_verified": self.num_verified.tolist(),
-                "num_accepted": self.num_accepted.tolist(),
-                "meta": self.meta,
-            }
-            path.write_text(json.dumps(document) + "\n")
-        return path
+            return path
+        document = {
+            "format": RECORDS_FORMAT,
+            "version": VERSION,
+            "gamma": self.gamma,
+            "confidences": self.confidences.tolist(),
+            "num_drafted": self.num_drafted.tolist(),
+            "num_verified": self.num_verified.tolist(),
+            "num_accepted": self.num_accepted.tolist(),
+            "meta": self.meta,
+        }
+        return write_json(document, path, indent=None)
 
     @classmethod
     def load(cls, path: str | Path) -> RoundRecords:
         """Read a file written by :meth:`save` (``.npz`` or JSON)."""
+        fix = "record rounds with RoundRecorder and save them with RoundRecords.save"
         path = Path(path)
-        if not path.exists():
-            raise ValueError(f"no round records at {path}; record rounds with RoundRecorder and save them")
-        try:
-            document = _read_npz(path) if path.suffix == ".npz" else json.loads(path.read_text())
-        except (ValueError, OSError, KeyError) as err:
-            raise ValueError(f"{path} is not a readable round-records file ({err})") from None
-        if (
-            not isinstance(document, dict)
-            or document.get("format") != RECORDS_FORMAT
-            or document.get("version") != VERSION
-        ):
-            raise ValueError(
-                f"{path} is not a {RECORDS_FORMAT!r} version {VERSION} file (see vlmspec.scheduling.calibration)"
-            )
+        document = _read_document(path, RECORDS_FORMAT, absent=f"no round records at {path}; {fix}", fix=fix)
         try:
             return cls(
                 torch.as_tensor(np.asarray(document["confidences"], dtype=np.float32).reshape(-1, document["gamma"])),
@@ -181,19 +169,38 @@ class RoundRecords:
             raise ValueError(f"{path}: round records lack or mangle field {err}") from None
 
 
-def _read_npz(path: Path) -> dict[str, Any]:
-    with np.load(path, allow_pickle=False) as data:
-        meta = json.loads(str(data["meta_json"]))
-        return {
-            "format": meta.pop("format", None),
-            "version": meta.pop("version", None),
-            "meta": meta,
-            "gamma": data["confidences"].shape[1],
-            "confidences": data["confidences"],
-            "num_drafted": data["num_drafted"],
-            "num_verified": data["num_verified"],
-            "num_accepted": data["num_accepted"],
-        }
+def _read_document(path: Path, format: str, *, absent: str, fix: str) -> dict[str, Any]:
+    """The one reader of this module's files: the ``format`` document at ``path`` (JSON, or NPZ records).
+
+    ValueError with ``absent`` if there is no file, and naming the problem followed by
+    ``fix`` if it cannot be read or carries another format or version.
+    """
+    if not path.is_file():
+        raise ValueError(absent)
+    document = _read_npz(path, fix) if path.suffix == ".npz" else read_json(path, absent=absent, fix=fix)
+    problem = tag_problem(document, format, VERSION)
+    if problem:
+        raise ValueError(f"{path} is not a {format!r} version {VERSION} file ({problem}); {fix}")
+    return document
+
+
+def _read_npz(path: Path, fix: str) -> dict[str, Any]:
+    """Round records saved as NPZ, in the shape of their JSON document (see the module docstring)."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            meta = json.loads(str(data["meta_json"]))
+            return {
+                "format": meta.pop("format", None),
+                "version": meta.pop("version", None),
+                "meta": meta,
+                "gamma": data["confidences"].shape[1],
+                "confidences": data["confidences"],
+                "num_drafted": data["num_drafted"],
+                "num_verified": data["num_verified"],
+                "num_accepted": data["num_accepted"],
+            }
+    except (ValueError, OSError, KeyError) as err:
+        raise ValueError(f"{path} is not a readable round-records NPZ file ({err}); {fix}") from None
 
 
 class RoundRecorder:
@@ -314,39 +321,25 @@ class Calibration:
 
     def save(self, directory: str | Path) -> Path:
         """Write ``calibration.json`` into ``directory`` (the drafter's directory); returns its path."""
-        path = Path(directory) / CALIBRATION_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
         document = {
             "format": CALIBRATION_FORMAT,
             "version": VERSION,
             "temperatures": list(self.temperatures),
             "meta": self.meta,
         }
-        path.write_text(json.dumps(document, indent=1) + "\n")
-        return path
+        return write_json(document, Path(directory) / CALIBRATION_FILE)
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
         """Read ``calibration.json`` from a drafter directory (or the file itself)."""
         path = Path(path)
         path = path / CALIBRATION_FILE if path.is_dir() else path
-        if not path.exists():
-            raise ValueError(f"no calibration at {path}; fit one with fit_sts(...) and Calibration.save(drafter_dir)")
-        try:
-            document = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path} is not valid JSON ({err}); refit and save the calibration") from None
-        if (
-            not isinstance(document, dict)
-            or document.get("format") != CALIBRATION_FORMAT
-            or document.get("version") != VERSION
-        ):
-            raise ValueError(
-                f"{path} is not a {CALIBRATION_FORMAT!r} version {VERSION} file; refit and save the calibration"
-            )
+        fix = "refit and save the calibration"
+        absent = f"no calibration at {path}; fit one with fit_sts(...) and Calibration.save(drafter_dir)"
+        document = _read_document(path, CALIBRATION_FORMAT, absent=absent, fix=fix)
         temperatures = document.get("temperatures")
         if not isinstance(temperatures, list) or not all(isinstance(t, (int, float)) for t in temperatures):
-            raise ValueError(f"{path}: 'temperatures' must be a list of numbers; refit and save the calibration")
+            raise ValueError(f"{path}: 'temperatures' must be a list of numbers; {fix}")
         return cls(tuple(temperatures), document.get("meta", {}))
 
 

@@ -156,14 +156,7 @@ def sps_preset(name: str, max_tokens: int = 1024) -> SPSTable:
       compute-bound.
     """
     if name == "appendix_a":
-        meta = SPSMeta(
-            model="preset:appendix_a",
-            device="none",
-            dtype="none",
-            context_length=None,
-            source="preset:appendix_a",
-            notes="docs/design.md §9 (Appendix A counterexample)",
-        )
+        meta = _preset_meta(name, device="none", dtype="none", notes="docs/design.md §9 (Appendix A counterexample)")
         return SPSTable((1, 2, 3), (1.0, 0.5, 0.45), meta)
     if not is_int(max_tokens) or max_tokens < 1:
         raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
@@ -171,28 +164,35 @@ def sps_preset(name: str, max_tokens: int = 1024) -> SPSTable:
     if name == "gpu_like":
         knee = [((b - 256) / 256 + math.sqrt(((b - 256) / 256) ** 2 + 0.25)) / 2 for b in tokens]
         step_time = [0.020 * (1 + b / 2048 + k) for b, k in zip(tokens, knee)]
-        meta = SPSMeta(
-            model="preset:gpu_like",
+        meta = _preset_meta(
+            name,
             device="cuda",
             dtype="bfloat16",
-            context_length=None,
-            source="preset:gpu_like",
             notes="synthetic: flat-ish while memory-bound, decaying past about 256 tokens",
         )
     elif name == "cpu":
         step_time = [0.116 + 0.010 * (b - 1) for b in tokens]
-        meta = SPSMeta(
-            model="preset:cpu",
+        meta = _preset_meta(
+            name,
             device="cpu",
             dtype="float32",
             context_length=300,
             hardware="2 CPU threads",
-            source="preset:cpu",
             notes="environment-notes.md: 0.5B-shaped VL, 116 ms 1-token step, 186 ms 8-token verify; linear",
         )
     else:
         raise ValueError(f"unknown SPS preset {name!r}; choose one of {PRESETS} or load a measured table")
     return SPSTable(tokens, tuple(1.0 / t for t in step_time), meta)
+
+
+def _preset_meta(
+    name: str, *, device: str, dtype: str, notes: str, context_length: int | None = None, hardware: str = ""
+) -> SPSMeta:
+    """The metadata of preset ``name``: ``model`` and ``source`` say ``preset:<name>``, never a measurement's."""
+    tag = f"preset:{name}"
+    return SPSMeta(
+        model=tag, device=device, dtype=dtype, context_length=context_length, hardware=hardware, source=tag, notes=notes
+    )
 
 
 # -- plotting -----------------------------------------------------------------------------------

@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import json
 import math
 import warnings
 from collections.abc import Sequence
@@ -39,6 +38,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from vlmspec.scheduling.documents import read_json, tag_problem, write_json
 
 FORMAT = "vlmspec.sps_table"
 BATCH_FORMAT = "vlmspec.batch_sps_table"
@@ -200,7 +201,7 @@ class SPSTable:
 
     def save(self, path: str | Path) -> Path:
         """Write the table as JSON (parents created); returns the path."""
-        return _write_json(self.to_dict(), path)
+        return write_json(self.to_dict(), path)
 
     @classmethod
     def load(
@@ -219,15 +220,7 @@ class SPSTable:
         for another model, device, dtype or context length describes other costs.
         """
         path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ValueError(
-                f"no SPS table at {path}; create one with `vlmspec profile --target <target> --out {path}`"
-            ) from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path} is not valid JSON ({err}); {_REGENERATE}") from None
-        table = cls.from_dict(data, where=str(path))
+        table = cls.from_dict(_read_document(path), where=str(path))
         table.check_matches(
             where=str(path),
             model=expect_model,
@@ -329,10 +322,9 @@ class BatchSPSTable:
 
     @classmethod
     def from_dict(cls, data: Any, *, where: str = "batch SPS table") -> BatchSPSTable:
-        if not isinstance(data, dict) or data.get("format") != BATCH_FORMAT or data.get("version") != VERSION:
-            raise ValueError(
-                f"{where} is not a batch SPS table (format {BATCH_FORMAT!r}, version {VERSION}); {_REGENERATE}"
-            )
+        problem = tag_problem(data, BATCH_FORMAT, VERSION)
+        if problem:
+            raise ValueError(f"{where} is not a batch SPS table: {problem}; {_REGENERATE}")
         if not isinstance(data.get("requests"), list) or not isinstance(data.get("curves"), list):
             raise ValueError(f"{where} needs the lists 'requests' and 'curves'; {_REGENERATE}")
         curves = [SPSTable.from_dict(curve, where=f"{where}, curve {i}") for i, curve in enumerate(data["curves"])]
@@ -340,14 +332,7 @@ class BatchSPSTable:
 
     def save(self, path: str | Path) -> Path:
         """Write the table as JSON (parents created); returns the path."""
-        return _write_json(self.to_dict(), path)
-
-
-def _write_json(document: dict[str, Any], path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=1) + "\n")
-    return path
+        return write_json(self.to_dict(), path)
 
 
 def load_sps_table(path: str | Path, *, fit: bool = True) -> SPSTable | BatchSPSTable:
@@ -383,15 +368,14 @@ def monotone_fit(values: Sequence[float]) -> list[float]:
     return [mean for mean, count in blocks for _ in range(int(count))]
 
 
+def _read_document(path: Path) -> Any:
+    """The decoded JSON of the SPS table file at ``path`` (either kind), unchecked."""
+    absent = f"no SPS table at {path}; create one with `vlmspec profile --target <target> --out {path}`"
+    return read_json(path, absent=absent, fix=_REGENERATE)
+
+
 def _read_sps_table(path: Path) -> SPSTable | BatchSPSTable:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(
-            f"no SPS table at {path}; create one with `vlmspec profile --target <target> --out {path}`"
-        ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON ({err}); {_REGENERATE}") from None
+    data = _read_document(path)
     if isinstance(data, dict) and data.get("format") == BATCH_FORMAT:
         return BatchSPSTable.from_dict(data, where=str(path))
     return SPSTable.from_dict(data, where=str(path))
@@ -424,12 +408,9 @@ def _table_problem(tokens: Sequence[Any], steps_per_s: Sequence[Any]) -> str | N
 
 def _document_problem(data: Any) -> str | None:
     """What is wrong with a decoded JSON document, or None."""
-    if not isinstance(data, dict):
-        return "the top level must be a JSON object"
-    if data.get("format") != FORMAT:
-        return f"'format' must be {FORMAT!r}, got {data.get('format')!r}"
-    if data.get("version") != VERSION:
-        return f"version {data.get('version')!r} is not supported (this vlmspec reads version {VERSION})"
+    problem = tag_problem(data, FORMAT, VERSION)
+    if problem:
+        return problem
     for key in ("tokens", "steps_per_s", "meta"):
         if key not in data:
             return f"the key {key!r} is missing"

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,9 +35,6 @@ from vlmspec.drafters.dspark.config import DSparkConfig
 from vlmspec.drafters.dspark.heads import HeadSample, build_head
 from vlmspec.kernels.cpu_kernels import kernel_applies
 from vlmspec.kernels.linear import PackedLinear
-
-if TYPE_CHECKING:
-    from vlmspec.drafters.dspark.proposer import DSparkProposer
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -167,15 +164,25 @@ class DSparkDrafter(nn.Module):
                 f"{path} has a config.json but no {WEIGHTS_NAME}: the save was incomplete; "
                 "save the drafter again with DSparkDrafter.save_pretrained"
             )
+        return cls.from_state(config, load_file(str(weights)), target=target, source=str(weights))
+
+    @classmethod
+    def from_state(
+        cls, config: DSparkConfig, state: dict[str, torch.Tensor], *, target: Any, source: str = "the checkpoint"
+    ) -> DSparkDrafter:
+        """A drafter with ``config`` and the weights ``state`` (its own, as ``state_dict()`` names them), tied
+        to ``target`` and moved to its device and dtype: the one load path of saved and imported drafters.
+
+        ``source`` names where ``state`` came from in the error raised when its names do not match ``config``.
+        """
         config.check_target(target)
         drafter = cls(config, _tie(target))
-        state = load_file(str(weights))
         expected = set(drafter.state_dict())
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
         if missing or unexpected:
             raise ValueError(
-                f"{weights} does not match its config.json (missing {missing[:5]}, unexpected {unexpected[:5]}); "
-                "the files come from different drafters: save the drafter again"
+                f"{source} does not match its config (missing {missing[:5]}, unexpected {unexpected[:5]}); "
+                "the weights and the config come from different drafters: save or export the drafter again"
             )
         drafter.load_state_dict(state)
         return drafter.to(device=target.device, dtype=target.dtype)
@@ -196,12 +203,6 @@ class DSparkDrafter(nn.Module):
         if int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.target_vocab_size:
             raise ValueError(f"draft token ids must lie in [0, {self.config.target_vocab_size}), the target vocabulary")
         self.draft_token_ids.copy_(token_ids.to(self.draft_token_ids.device))
-
-    def proposer(self) -> DSparkProposer:
-        """This drafter behind the engine's Proposer protocol."""
-        from vlmspec.drafters.dspark.proposer import DSparkProposer
-
-        return DSparkProposer(self)
 
     # ------------------------------------------------------------------ pieces
     @property

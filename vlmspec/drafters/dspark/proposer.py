@@ -91,35 +91,26 @@ class DSparkProposer:
         The drafter's linears run through the CPU kernels the target's runner uses (T_draft:
         a few rows each, where ATen reads the weights slowly); elsewhere as they are.
         """
-        with self._fast_linears:
-            return self._propose(states, updates, params, generators)
-
-    def _propose(
-        self,
-        states: Sequence[DSparkState],
-        updates: Sequence[ContextUpdate],
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator],
-    ) -> DraftBlock:
         check_batch(states, updates, params, generators)
         features = [self._checked_features(update) for update in updates]  # every update, before any state changes
-        spans = self._absorb(states, updates, features)
-        anchors = torch.tensor([update.anchor for update in updates], device=self.device)  # [R]
-        anchor_positions = torch.tensor([update.anchor_position for update in updates], device=self.device)  # [R]
-        context, mask = self._context(states, spans, [update.positions.shape[0] for update in updates])
-        drafter = self.drafter
-        hidden = drafter.block_hidden(anchors[:, None], anchor_positions[:, None], context, mask)[:, 0]  # [R, G, d]
-        base = drafter.base_logits(hidden)  # [R, G, N]
-        tokens, probs = self._sample(hidden, base, anchors, params, generators)
-        prev = torch.cat((anchors[:, None], tokens[:, :-1]), dim=1)  # [R, G]
-        confidence = drafter.confidences(hidden, prev)
-        gamma = tokens.shape[1]
-        return DraftBlock(
-            tokens=tokens,
-            num_tokens=torch.full((len(states),), gamma, dtype=torch.long, device=self.device),
-            draft_probs=probs,
-            confidences=None if confidence is None else torch.sigmoid(confidence),
-        )
+        with self._fast_linears:
+            spans = self._absorb(states, updates, features)
+            anchors = torch.tensor([update.anchor for update in updates], device=self.device)  # [R]
+            anchor_positions = torch.tensor([update.anchor_position for update in updates], device=self.device)  # [R]
+            context, mask = self._context(states, spans, [update.positions.shape[0] for update in updates])
+            drafter = self.drafter
+            hidden = drafter.block_hidden(anchors[:, None], anchor_positions[:, None], context, mask)[:, 0]  # [R, G, d]
+            base = drafter.base_logits(hidden)  # [R, G, N]
+            tokens, probs = self._sample(hidden, base, anchors, params, generators)
+            prev = torch.cat((anchors[:, None], tokens[:, :-1]), dim=1)  # [R, G]
+            confidence = drafter.confidences(hidden, prev)
+            gamma = tokens.shape[1]
+            return DraftBlock(
+                tokens=tokens,
+                num_tokens=torch.full((len(states),), gamma, dtype=torch.long, device=self.device),
+                draft_probs=probs,
+                confidences=None if confidence is None else torch.sigmoid(confidence),
+            )
 
     # ---------------------------------------------------------------- steps
     def _checked_features(self, update: ContextUpdate) -> torch.Tensor:  # -> [n, m * d_target]
