@@ -1,8 +1,10 @@
 """Concurrency benchmark: BatchEngine's output tokens per second against the number of concurrent requests.
 
 For each number of concurrent requests C (1, 4, 16, 32 by default) and each decoding mode
-(greedy, sampled), C requests, half with an image and half text only, run to the end
-through ``vlmspec.serving.BatchEngine`` with ``max_batch_size = C``, once per variant:
+(greedy, sampled), C requests, half with an image and half text only (``--workload text``:
+all text), run to the end through ``vlmspec.serving.BatchEngine`` with ``max_batch_size = C``,
+once per variant. Each text request asks a different held-out prompt (MT-Bench's, then
+GSM8K's: the entries no drafter trains on, ``vlmspec.data.heldout``):
 
 * ``alone``: the target alone, batched (no drafter: one token per request per step);
 * ``fixed``: the drafter, every draft verified (fixed gamma);
@@ -40,6 +42,7 @@ import argparse
 import gc
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +61,7 @@ from benchmarks.common import (
     write_text,
 )
 from benchmarks.spec.workloads import Task, easy_vqa_tasks, prompt_set_tasks, skimage_open_tasks
+from vlmspec.data.prompt_sets import prompt_set_name
 from vlmspec.scheduling import build_scheduler
 from vlmspec.serving import BatchEngine
 from vlmspec.types import GenerationResult, SpecStats
@@ -65,7 +69,11 @@ from vlmspec.types import GenerationResult, SpecStats
 VARIANTS = ("alone", "fixed", "threshold", "prefix", "lagged-topk", "vllm", "vllm-ngram")
 VLLM_VARIANTS = {"vllm": False, "vllm-ngram": True}  # name -> n-gram speculation
 DEFAULT_VARIANTS = ("alone", "fixed", "threshold", "prefix")
-DEFAULT_PROMPT_SET = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "mt-bench.jsonl"
+# Text prompts: MT-Bench's held-out first turns, then GSM8K's when a run needs more than MT-Bench holds out.
+DEFAULT_PROMPT_SETS = tuple(
+    str(Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / name)
+    for name in ("mt-bench.jsonl", "gsm8k.jsonl")
+)
 IMAGE_PROMPT = "Describe the image in detail."
 
 
@@ -93,10 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile-context", type=int, default=160, help="cached tokens per request while profiling")
     parser.add_argument("--profile-repeats", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs of every cell (the fastest counts)")
-    parser.add_argument("--prompt-set", default=str(DEFAULT_PROMPT_SET), help="text prompts (JSONL with turns)")
-    parser.add_argument(
-        "--workload", default="mixed", choices=("mixed", "text"), help="mixed: half the requests with an image"
-    )
+    add_workload_arguments(parser)
     parser.add_argument("--threads", type=int, default=2, help="torch threads here and vLLM's OpenMP threads")
     parser.add_argument("--out", type=Path, default=Path("runs/concurrency"))
     args = parser.parse_args(argv)
@@ -130,21 +135,58 @@ def load_pair(args: argparse.Namespace):
 
     target = load_target(args.target, dtype=args.dtype)
     if args.drafter == "untrained":
-        from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter
+        from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkProposer
 
         torch.manual_seed(0)
-        return target, DSparkDrafter.from_target(target, DSparkConfig.for_target(target, block_size=4)).proposer()
+        return target, DSparkProposer(DSparkDrafter.from_target(target, DSparkConfig.for_target(target, block_size=4)))
     return target, load_proposer(args.drafter, target)
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--prompt-set`` and ``--workload``: what the requests ask (shared with benchmarks/serving.py)."""
+    parser.add_argument(
+        "--prompt-set",
+        action="append",
+        help="text prompts (JSONL with turns; repeatable): their held-out entries in order, "
+        "each set continuing where the one before ends (default: MT-Bench, then GSM8K)",
+    )
+    parser.add_argument(
+        "--workload", default="mixed", choices=("mixed", "text"), help="mixed: half the requests with an image"
+    )
+
+
+def describe_workload(args: argparse.Namespace) -> str:
+    """The workload in words, for the notes above the results tables."""
+    sets = " then ".join(prompt_set_name(path) for path in args.prompt_set or DEFAULT_PROMPT_SETS)
+    if args.workload == "text":
+        return f"text prompts only ({sets}, held-out entries)"
+    return f"half the requests with an image, half text prompts ({sets}, held-out entries)"
+
+
+def text_tasks(paths: Sequence[str], count: int) -> list[Task]:
+    """``count`` distinct held-out prompts: the held-out entries of each set in turn.
+
+    Distinct, so that no engine's prefix cache serves a repeated prompt; a run that needs more
+    than the sets hold out stops with a ValueError rather than reach into what the drafter trained on.
+    """
+    pool = [task for path in paths for task in prompt_set_tasks(path, None)]
+    if count > len(pool):
+        raise ValueError(
+            f"{count} text requests need {count} distinct held-out prompts, but {', '.join(map(str, paths))} "
+            f"hold out {len(pool)}; add a --prompt-set or run fewer requests"
+        )
+    return pool[:count]
 
 
 def workload(args: argparse.Namespace, count: int) -> list[Task]:
     """``count`` tasks alternating image and text: easy-vqa shapes (scikit-image photos without easy-vqa), prompt-set questions.
 
-    ``--workload text``: prompt-set questions only.
+    ``--workload text``: prompt-set questions only. Every text task is a different held-out prompt.
     """
-    text_tasks = prompt_set_tasks(args.prompt_set, None)
+    paths = args.prompt_set or DEFAULT_PROMPT_SETS
     if args.workload == "text":
-        return [text_tasks[i % len(text_tasks)] for i in range(count)]
+        return text_tasks(paths, count)
+    texts = text_tasks(paths, count // 2)
     images = max((count + 1) // 2, 1)
     try:
         image_tasks = easy_vqa_tasks(images)
@@ -163,7 +205,7 @@ def workload(args: argparse.Namespace, count: int) -> list[Task]:
                 )
             )
         else:
-            tasks.append(text_tasks[(i // 2) % len(text_tasks)])
+            tasks.append(texts[i // 2])
     return tasks
 
 
@@ -261,10 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     out = prepare_out_dir(args.out)
+    tasks = workload(args, max(args.levels))  # before loading anything: too few held-out prompts stops here
     target, proposer = load_pair(args)
     needs_table = {"prefix", "lagged-topk"} & set(args.variant_list)
     table = sps_table(args, target, proposer.max_draft_tokens, out) if needs_table else None
-    tasks = workload(args, max(args.levels))
     log("warming up ...")
     ours = [variant for variant in args.variant_list if variant not in VLLM_VARIANTS]
     for variant in ours:
@@ -344,7 +386,7 @@ def write_outputs(out: Path, args: argparse.Namespace, cells: list[dict[str, Any
     ]
     note = (
         f"target {args.target}, drafter {args.drafter}, {args.dtype}, {args.max_new_tokens} new tokens per request, "
-        + ("text prompts only" if args.workload == "text" else "half the requests with an image")
+        + describe_workload(args)
         + f"; sampled: temperature {args.temperature}; vllm rows: vLLM's own batching, no tau"
     )
     write_text(out / "concurrency.md", f"{note}\n\n{markdown_table(headers, rows)}")

@@ -13,8 +13,9 @@ seeds, so every ratio is measured within one run. Every timing is wall clock fro
 to generated token ids, input processing included, for all variants alike.
 
 Workloads: an MMBench TSV (``--mmbench``), prompt sets such as ``../shared/data/prompts/mt-bench.jsonl``
-(``--prompt-set``, first turn of each entry), and image questions on real images (``--vqa``:
-easy-vqa shapes with one-word answers, scikit-image photographs with open, long answers).
+(``--prompt-set``, first turn of each held-out entry: ``vlmspec.data.heldout``), and image
+questions on real images (``--vqa``: easy-vqa shapes with one-word answers, scikit-image
+photographs with open, long answers; none of them a picture the drafter trained on).
 
 Reported per question and in total: output identity with the target alone (greedy: must be
 zero differences; each difference is printed with its question), tau, acceptance by draft

@@ -16,9 +16,11 @@ run):
   (``--workload text``).
 
 At each concurrency level N, N clients (``openai.AsyncOpenAI``, streaming) send
-``--requests`` chat completions back to back, half with an image (a base64 data URL)
-and half text. Reported per cell: requests/s and output tokens/s (completion tokens
-over the wall time of the whole cell), time to first token and time per output token
+``--requests`` chat completions back to back: with ``--workload mixed`` (the default) half
+with an image (a base64 data URL) and half text, with ``--workload text`` text only; every
+text request a different held-out prompt (``benchmarks/concurrency.py``'s workload).
+Reported per cell: requests/s and output tokens/s (completion tokens over the wall time
+of the whole cell), time to first token and time per output token
 after the first (p50 / p90 / p99 over the requests), end-to-end latency, tau (from the
 responses' ``vlmspec`` field), errors, and for greedy runs whether every answer equals
 the target alone's. Writes ``serving.json``, ``serving.md``, ``serving_throughput.png``
@@ -66,7 +68,7 @@ from benchmarks.common import (
     write_json,
     write_text,
 )
-from benchmarks.concurrency import DEFAULT_PROMPT_SET, workload
+from benchmarks.concurrency import add_workload_arguments, describe_workload, workload
 from benchmarks.vllm_peer import DEFAULT_VENV as DEFAULT_VLLM_VENV
 
 VARIANTS = ("alone", "default", "threshold", "fixed", "prefix", "threshold-capped", "vllm")
@@ -98,10 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--speculate-up-to", type=int, default=1, help="'threshold-capped' drafts only while this many requests run"
     )
     parser.add_argument("--max-batch-size", type=int, default=None, help="the servers' (default: the top level)")
-    parser.add_argument("--prompt-set", default=str(DEFAULT_PROMPT_SET), help="text prompts (JSONL with turns)")
-    parser.add_argument(
-        "--workload", default="mixed", choices=("mixed", "text"), help="mixed: half the requests with an image"
-    )
+    add_workload_arguments(parser)
     parser.add_argument("--threads", type=int, default=2, help="vLLM's OpenMP threads (the vllm variant)")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for a server")
     parser.add_argument("--out", type=Path, default=Path("runs/serving"))
@@ -207,7 +206,7 @@ class Timing:
 
 
 def chat_requests(args: argparse.Namespace) -> list[dict]:
-    """The cell's request bodies: half an image question (data URL), half a prompt-set question."""
+    """The cell's request bodies: prompt-set questions, every other one an image question (data URL) when mixed."""
     bodies = []
     for task in workload(args, args.requests):
         parts = [{"type": "image_url", "image_url": {"url": data_url(image)}} for image in task.images]
@@ -298,8 +297,8 @@ def cell_metrics(wall_s: float, timings: list[Timing]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = prepare_out_dir(args.out)
+    bodies = chat_requests(args)  # before measuring anything: too few held-out prompts stops here
     sps = measured_sps(args, out) if "prefix" in args.variant_list else None
-    bodies = chat_requests(args)
     servers = {}
     try:
         for variant in args.variant_list:
@@ -354,8 +353,8 @@ def write_outputs(out: Path, args: argparse.Namespace, cells: list[dict[str, Any
         for c in cells
     ]
     note = (
-        f"target {args.target}, drafter {args.drafter}, {args.dtype}; {args.requests} requests per cell (half with an "
-        f"image), max_tokens {args.max_tokens}, temperature {args.temperature}; clients stream"
+        f"target {args.target}, drafter {args.drafter}, {args.dtype}; {args.requests} requests per cell, "
+        f"{describe_workload(args)}; max_tokens {args.max_tokens}, temperature {args.temperature}; clients stream"
     )
     write_text(out / "serving.md", f"{note}\n\n{markdown_table(headers, rows)}")
     by_variant = {v: [c for c in cells if c["variant"] == v] for v in args.variant_list}

