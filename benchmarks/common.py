@@ -4,7 +4,9 @@ Every benchmark writes the same three kinds of output into one directory: a JSON
 with every number (``write_json``), a markdown table a person can paste into a report
 (``markdown_table``), and PNG plots (``plot_grouped_bars``, ``plot_lines``,
 ``plot_stacked_bars``). Plots use matplotlib's object API with the Agg canvas, so they
-never touch pyplot's global state or need a display.
+never touch pyplot's global state or need a display. Both writers stamp each results file
+with its provenance (command, commit, date, CPU model and flags, threads), so a number
+quoted from it can be traced to the machine and code that measured it.
 
 Timing conventions: wall-clock ``time.perf_counter``; variants compared against each
 other are run *interleaved* (``rotated``) within one process so that drift (thermal
@@ -20,12 +22,16 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
+
+# Real pictures live in the package, beside the held-out split that decides which ones a benchmark may use;
+# the benchmarks keep importing them from here.
+from vlmspec.data.pictures import shrink_image, skimage_image  # noqa: F401
+from vlmspec.provenance import provenance, provenance_markdown
 
 T = TypeVar("T")
 
@@ -165,18 +171,31 @@ def to_jsonable(value: Any) -> Any:
 
 
 def write_json(path: str | os.PathLike, data: Any) -> Path:
-    """Write ``data`` (made JSON-safe by ``to_jsonable``) with indentation; returns the path."""
+    """Write ``data`` (made JSON-safe by ``to_jsonable``) with indentation; returns the path.
+
+    A results document (a mapping) gets a ``provenance`` field first, unless it has one: the
+    command, commit, date, CPU and thread count of this run (``vlmspec.provenance``).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, Mapping) and "provenance" not in data:
+        data = {"provenance": provenance(), **data}
     path.write_text(json.dumps(to_jsonable(data), indent=2, allow_nan=False) + "\n", encoding="utf-8")
     return path
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` (newline-terminated) and return the path."""
+    """Write ``text`` (newline-terminated) and return the path.
+
+    A markdown file (``.md``) is a results table a reader may quote, so it ends with this
+    run's provenance section (``vlmspec.provenance.provenance_markdown``).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+    text = text if text.endswith("\n") else text + "\n"
+    if path.suffix == ".md":
+        text = f"{text}\n{provenance_markdown(provenance())}"
+    path.write_text(text, encoding="utf-8")
     return path
 
 
@@ -190,14 +209,12 @@ def prepare_out_dir(path: str | os.PathLike) -> Path:
 
 
 def environment_info() -> dict[str, Any]:
-    """Versions and machine facts that a reader needs to interpret timings."""
+    """Versions that a reader needs to interpret timings (command, commit, CPU: ``write_json``'s provenance)."""
     info: dict[str, Any] = {
         "python": platform.python_version(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "git_commit": _git_commit(),
     }
     try:
         import torch
@@ -214,20 +231,6 @@ def environment_info() -> dict[str, Any]:
     except ImportError:  # pragma: no cover
         info["transformers"] = None
     return info
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=Path(__file__).resolve().parent,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
 
 
 # --------------------------------------------------------------------------- progress
@@ -392,7 +395,7 @@ def _save(figure: Any, path: str | os.PathLike) -> Path:
     return path
 
 
-# --------------------------------------------------------------------------- messages and real images
+# --------------------------------------------------------------------------- messages
 
 
 def log(message: str) -> None:
@@ -403,37 +406,3 @@ def log(message: str) -> None:
         tqdm.write(message, file=sys.stderr)
     except ImportError:  # pragma: no cover
         print(message, file=sys.stderr)
-
-
-def skimage_image(name: str, max_side: int | None = None):
-    """A real photograph shipped with scikit-image (``skimage.data.<name>``) as an RGB PIL image.
-
-    Grey, boolean and RGBA images are converted to RGB; ``max_side`` shrinks the image
-    (keeping its aspect ratio, never enlarging) so that CPU runs stay affordable.
-    """
-    import numpy as np
-    from PIL import Image
-
-    try:
-        import skimage.data
-    except ImportError as err:
-        raise ImportError("real benchmark images come from scikit-image: pip install scikit-image") from err
-    loader = getattr(skimage.data, name, None)
-    if not callable(loader):
-        raise ValueError(f"skimage.data has no image {name!r}; try astronaut, coffee, chelsea, rocket, coins, page")
-    array = np.asarray(loader())
-    if array.dtype == bool:
-        array = array.astype(np.uint8) * 255
-    image = Image.fromarray(array).convert("RGB")
-    return shrink_image(image, max_side)
-
-
-def shrink_image(image, max_side: int | None):
-    """``image`` scaled down so that its longer side is at most ``max_side`` (a copy; None keeps it as is)."""
-    if max_side is None or max(image.size) <= max_side:
-        return image
-    if max_side < 1:
-        raise ValueError(f"max_side must be a positive number of pixels, got {max_side}")
-    image = image.copy()
-    image.thumbnail((max_side, max_side))
-    return image
