@@ -1,13 +1,16 @@
-"""The README's code blocks run: each block marked ``<!-- test: NAME -->`` runs here, in README order.
+"""The documentation's code blocks run: each block marked ``<!-- test: NAME -->`` in README.md and docs/*.md.
 
-Blocks run as written except for the CPU-sized variants in :data:`VARIANTS` (a tiny random
-target where the README names a model directory, fewer new tokens, a batch table measured
-for 1-2 requests, a free port instead of 8000), and every Python block of the README must be
-marked, so a new example cannot go untested. The Python blocks share one namespace, as in
-one session (the drafting-policy block uses the drafter the block before it saved); bash
-blocks run through ``bash``. The step-API block is a host's loop: the test supplies the
-host's own functions (``my_prefill``, ``my_forward``, ``kv_space_left``, ``my_rollback``)
-over one KV state per request, as ``examples/minimal_host.py`` does.
+The pages are README.md, then every ``docs/*.md`` page (:func:`pages`). Blocks run as written
+except for the CPU-sized variants in :data:`VARIANTS` (a tiny random target where a page names
+a model directory, fewer new tokens, a batch table measured for 1-2 requests, a free port
+instead of 8000), and every Python block of every page must be marked, so a new example cannot
+go untested. The blocks of one page run in page order in one namespace, as in one session (the
+drafting-policy block uses the drafter the block before it saved); each page starts a fresh
+one. Bash blocks run through ``bash``, a one-line ``vlmspec`` command in this process. Blocks
+that need a host or a server (:data:`OWN_TESTS`) run in their own tests below: the step-API
+block is a host's loop, for which the test supplies the host's own functions (``my_prefill``,
+``my_forward``, ``kv_space_left``, ``my_rollback``) over one KV state per request, as
+``examples/minimal_host.py`` does; the server blocks run against ``vlmspec serve`` on a free port.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,11 +32,12 @@ import torch
 from vlmspec.cli import main as cli
 from vlmspec.demo import demo_image
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 BLOCK = re.compile(r"<!-- test: (?P<name>[\w-]+) -->\n```(?P<lang>\w+)\n(?P<code>.*?)\n```", re.S)
 MODEL_DIR = '"/models/Qwen2.5-VL-3B-Instruct"'
 
-# (what the README says, what runs here): the documented CPU-sized variant of each block.
+# (what the page says, what runs here): the documented CPU-sized variant of each block, by its name.
 VARIANTS: dict[str, list[tuple[str, str]]] = {
     "quickstart": [(MODEL_DIR, '"tiny:qwen2_5_vl"'), ("max_new_tokens=128", "max_new_tokens=24")],
     "dspark-drafter": [(MODEL_DIR, '"tiny:qwen2_5_vl"')],
@@ -44,31 +49,54 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
     "curl": [("8000", "{port}")],
     "openai-client": [("8000", "{port}"), ("max_tokens=64", "max_tokens=12"), ("max_tokens=32", "max_tokens=8")],
 }
+OWN_TESTS = {"step-api", "serve", "curl", "openai-client"}  # need a host's functions or a running server
+# What a page's run must have left in its namespace after a block, beyond running without an error.
+AFTER: dict[str, Callable[[dict], bool]] = {
+    "drafting-policy": lambda ns: ns["proposer"].policy is not None,
+    "batch-engine": lambda ns: ns["engine"].result(ns["rid"]).finish_reason in ("eos", "length"),
+}
 
 
-def readme_blocks() -> dict[str, tuple[str, str]]:
-    """NAME -> (language, code) of every marked block, in README order."""
-    return {m["name"]: (m["lang"], m["code"]) for m in BLOCK.finditer(README.read_text())}
+def pages() -> list[Path]:
+    """README.md, then every docs/*.md page: the pages whose marked blocks run, in this order."""
+    return [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def page_blocks(page: Path) -> dict[str, tuple[str, str]]:
+    """NAME -> (language, code) of every marked block of ``page``, in page order."""
+    return {m["name"]: (m["lang"], m["code"]) for m in BLOCK.finditer(page.read_text())}
+
+
+def find_block(name: str) -> tuple[Path, str, str]:
+    """(page, language, code) of the marked block ``name``, wherever it is."""
+    for page in pages():
+        if name in (blocks := page_blocks(page)):
+            return (page, *blocks[name])
+    raise AssertionError(f"no page has a block marked <!-- test: {name} -->: update VARIANTS")
 
 
 def variant(name: str, code: str, **fill: object) -> str:
     for said, run in VARIANTS[name]:
-        assert said in code, f"README block {name!r} no longer contains {said!r}: update VARIANTS"
+        assert said in code, f"the block {name!r} no longer contains {said!r}: update VARIANTS"
         code = code.replace(said, run.format(**fill))
     return code
 
 
 def test_every_python_block_is_marked_and_every_marked_block_has_its_variant():
-    text = README.read_text()
-    python_blocks = len(re.findall(r"^```python$", text, re.M))
-    marked = readme_blocks()
-    assert sum(lang == "python" for lang, _ in marked.values()) == python_blocks, "mark each ```python block"
-    assert sorted(marked) == sorted(VARIANTS)
+    names: list[str] = []
+    for page in pages():
+        text, marked = page.read_text(), page_blocks(page)
+        python_blocks = len(re.findall(r"^```python$", text, re.M))
+        marked_python = sum(lang == "python" for lang, _ in marked.values())
+        assert marked_python == python_blocks, f"mark each ```python block of {page.relative_to(ROOT)}"
+        names += marked
+    assert len(names) == len(set(names)), "block names must be unique across the pages"
+    assert sorted(names) == sorted(VARIANTS)
 
 
 @pytest.fixture
 def session(tmp_path, monkeypatch):
-    """A fresh folder with the files the README's examples name, and the tables they read."""
+    """A fresh folder with the files the pages' examples name, and the tables they read."""
     monkeypatch.chdir(tmp_path)
     image = demo_image()
     for name in ("photo.jpg", "a.png", "b.png", "shape.png"):
@@ -82,28 +110,37 @@ def session(tmp_path, monkeypatch):
 
 
 def run_python(name: str, namespace: dict, **fill: object) -> None:
-    code = variant(name, readme_blocks()[name][1], **fill)
-    exec(compile(code, f"README.md <!-- test: {name} -->", "exec"), namespace)
+    page, _, code = find_block(name)
+    exec(compile(variant(name, code, **fill), f"{page.name} <!-- test: {name} -->", "exec"), namespace)
 
 
 def run_bash(name: str, **fill: object) -> str:
-    code = variant(name, readme_blocks()[name][1], **fill)
+    page, _, code = find_block(name)
+    code = variant(name, code, **fill)
+    if len(code.splitlines()) == 1 and code.startswith("vlmspec "):  # in this process: no second start-up
+        assert cli(shlex.split(code)[1:]) == 0, f"{page.name} block {name!r} failed"
+        return ""
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"README block {name!r} failed:\n{done.stderr}"
+    assert done.returncode == 0, f"{page.name} block {name!r} failed:\n{done.stderr}"
     return done.stdout
 
 
-def test_the_python_examples_run(session, capsys):
-    """Quick start (its identity assert in float32 included), a DSpark drafter, the drafting policy, BatchEngine."""
+def pages_with_runnable_blocks() -> list[Path]:
+    return [page for page in pages() if set(page_blocks(page)) - OWN_TESTS]
+
+
+@pytest.mark.parametrize("page", pages_with_runnable_blocks(), ids=lambda page: page.name)
+def test_the_examples_of_each_page_run(page, session, capsys):
+    """Each page's marked blocks in page order, one namespace a page (the quick start's identity assert included)."""
     namespace: dict = {}
-    run_python("quickstart", namespace)
-    run_python("dspark-drafter", namespace)
-    run_python("drafting-policy", namespace)
-    assert namespace["proposer"].policy is not None
-    profile = shlex.split(variant("batch-profile", readme_blocks()["batch-profile"][1]))
-    assert profile[0] == "vlmspec" and cli(profile[1:]) == 0
-    run_python("batch-engine", namespace)
-    assert namespace["engine"].result(namespace["rid"]).finish_reason in ("eos", "length")
+    for name, (lang, _) in page_blocks(page).items():
+        if name in OWN_TESTS:
+            continue
+        if lang == "python":
+            run_python(name, namespace)
+        else:
+            run_bash(name)
+        assert AFTER.get(name, lambda ns: True)(namespace), f"{page.name} block {name!r} did not do what it says"
 
 
 def test_the_step_api_host_loop_runs(make_target):
@@ -156,7 +193,7 @@ def free_port() -> int:
 def test_the_server_examples_run(session, capsys):
     """``vlmspec serve`` as written (on a free port), then the curl call and the openai client against it."""
     port = free_port()
-    command = variant("serve", readme_blocks()["serve"][1].splitlines()[0], port=port)
+    command = variant("serve", find_block("serve")[2].splitlines()[0], port=port)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     log = (session / "serve.log").open("w")  # a file, not a pipe: a full pipe would stall the server
     server = subprocess.Popen(shlex.split(command), stdout=log, stderr=subprocess.STDOUT, env=env)
