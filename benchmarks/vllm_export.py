@@ -4,7 +4,7 @@ For a target directory and a saved drafter (or, without them, the vLLM-sized tin
 target and a random drafter made for it), this exports the drafter, then runs on the same
 prompt tokens, batch 1, greedy:
 
-* vlmspec: ``SpecEngine(target, drafter.proposer())``, for its tau;
+* vlmspec: ``SpecEngine(target, DSparkProposer(drafter))``, for its tau;
 * vLLM plain, vLLM n-gram, and vLLM with the drafter as ``method="dspark"`` (the speculators
   layout; with ``enable_adaptive_verification`` too) and as ``method="dflash"`` (z-lab layout,
   written with ``strict=False``: its slots read one position later, see ``vlmspec.drafters.export``).
@@ -147,9 +147,10 @@ ADAPTIVE = {"enable_adaptive_verification": True}
 def vlmspec_run(target: Any, drafter: Any, prompts: list[str], max_new_tokens: int) -> dict:
     """vlmspec's greedy tokens, seconds and pooled tau with the drafter on every prompt (after one warm-up)."""
     from vlmspec import SpecEngine
+    from vlmspec.drafters.dspark import DSparkProposer
     from vlmspec.types import SpecStats
 
-    engine = SpecEngine(target, drafter.proposer())
+    engine = SpecEngine(target, DSparkProposer(drafter))
     engine.generate(None, prompts[0], max_new_tokens=4)
     tokens, seconds, stats = [], [], []
     for prompt in prompts:

@@ -13,6 +13,8 @@ from vlmspec.demo import DEMO_PROMPT, DEMO_TEXT_PROMPT, format_stats, open_image
 from vlmspec.scheduling.factory import SCHEDULERS, describe_schedulers
 from vlmspec.scheduling.profiling import PRESETS
 from vlmspec.targets.adapter import DECODE_MODES
+from vlmspec.targets.inputs import ImageLimits
+from vlmspec.types import RequestOptions
 
 # What --target and --drafter take, named the same in every command's --help (vlmspec.loading knows them).
 TARGET_HELP = (
@@ -69,21 +71,21 @@ def _add_generate(commands) -> None:
 
 
 def _run_generate(args) -> int:
+    options = _request_options(args)  # before loading anything: a bad option fails at once
     engine = _engine(args)
-    options = _generation_kwargs(args)
     images = args.image or None
     if args.stream:
-        stream = engine.stream(images, args.prompt, **options)
+        stream = engine.stream(images, args.prompt, options=options)
         for piece in stream:
             print(piece, end="", flush=True)
         print()
         result = stream.result
     else:
-        result = engine.generate(images, args.prompt, **options)
+        result = engine.generate(images, args.prompt, options=options)
         print(result.text)
-    baseline = engine.generate(images, args.prompt, **options, speculative=False) if args.compare else None
+    baseline = engine.generate(images, args.prompt, options=options, speculative=False) if args.compare else None
     print(format_stats(result, baseline), file=sys.stderr)
-    if baseline is not None and args.temperature == 0 and baseline.token_ids != result.token_ids:
+    if baseline is not None and options.greedy and baseline.token_ids != result.token_ids:
         # Greedy speculation promises the target's own tokens: a difference is a failure, not a footnote.
         first = next(
             (i for i, (a, b) in enumerate(zip(baseline.token_ids, result.token_ids)) if a != b),
@@ -127,11 +129,14 @@ def _add_demo(commands) -> None:
     p.add_argument(
         "--repeats", type=int, default=3, help="timed runs of each; the fastest counts (a shared CPU is noisy)"
     )
+    p.add_argument(
+        "--out", default=None, help="a JSON file for the printed figures, with the run's command, commit, date and CPU"
+    )
     p.set_defaults(run=_run_demo)
 
 
 def _run_demo(args) -> int:
-    from vlmspec.demo import demo_image, run_demo
+    from vlmspec.demo import DEMO_IMAGE_ID, demo_image, run_demo
     from vlmspec.engine import SpecEngine
     from vlmspec.scheduling.factory import build_scheduler
 
@@ -142,7 +147,15 @@ def _run_demo(args) -> int:
     engine = SpecEngine.from_pretrained(args.target, drafter=args.drafter, scheduler=scheduler, dtype=args.dtype)
     print(f"target: {args.target}   drafter: {args.drafter}   scheduler: {args.scheduler}   dtype: {args.dtype}\n")
     requests = [(image, args.prompt)] + ([(None, args.text_prompt)] if args.text_prompt else [])
-    return run_demo(engine, requests, max_new_tokens=args.max_new_tokens, repeats=args.repeats)
+    settings = {name: getattr(args, name) for name in ("target", "drafter", "scheduler", "dtype", "max_new_tokens")}
+    return run_demo(
+        engine,
+        requests,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        out=args.out,
+        settings={**settings, "repeats": args.repeats, "image": args.image or f"easy-vqa test image {DEMO_IMAGE_ID}"},
+    )
 
 
 def _reference_defaults(args) -> dict:
@@ -199,6 +212,20 @@ def _add_serve(commands) -> None:
         default=None,
         help="a folder whose image files requests may name by path (default: only base64 data: URLs)",
     )
+    p.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=ImageLimits.max_bytes,
+        help=f"largest encoded image a request may send, checked before decoding; more get HTTP 400 "
+        f"(default {ImageLimits.max_bytes:,}: 20 MiB)",
+    )
+    p.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=ImageLimits.max_pixels,
+        help=f"most pixels (width x height) an image may have, read from its header before decoding; more get "
+        f"HTTP 400 (default {ImageLimits.max_pixels:,}; Qwen-VL processors scale images down to 12.8-16.8 MP)",
+    )
     # Verifying every draft is the slowest choice for a drafter with a confidence head (see the README).
     p.set_defaults(run=_run_serve, scheduler=None)
 
@@ -214,12 +241,20 @@ def _run_serve(args) -> int:
         raise FileNotFoundError(f"--allowed-local-media-path {str(media)!r} is not a folder")
     if args.max_queued < 0:
         raise ValueError(f"--max-queued must be >= 0, got {args.max_queued}")
+    for flag, value in (("--max-image-bytes", args.max_image_bytes), ("--max-image-pixels", args.max_image_pixels)):
+        if value <= 0:
+            raise ValueError(f"{flag} must be a positive number, got {value}")
+    image_limits = ImageLimits(max_bytes=args.max_image_bytes, max_pixels=args.max_image_pixels)
     _serving_defaults(args)
     engine = _engine(args, BatchEngine, max_batch_size=args.max_batch_size, speculate_up_to=args.speculate_up_to)
     name = args.served_model_name or Path(str(args.target)).name
     cap = "always" if args.speculate_up_to is None else f"up to {args.speculate_up_to} running"
     config = ServerConfig(
-        model_name=name, max_queued=args.max_queued, default_max_tokens=args.default_max_tokens, allowed_media=media
+        model_name=name,
+        max_queued=args.max_queued,
+        default_max_tokens=args.default_max_tokens,
+        allowed_media=media,
+        image_limits=image_limits,
     )
     print(
         f"serving {name!r} (drafter {args.drafter}, scheduler {args.scheduler}, drafting {cap}) "
@@ -351,18 +386,24 @@ def _run_simulate(args) -> int:
 
 # ------------------------------------------------------------------------------------ export
 def _add_export(commands) -> None:
-    p = commands.add_parser("export", help="write a DSpark drafter in a serving engine's checkpoint layout")
+    p = commands.add_parser(
+        "export", help="write a DSpark drafter in a serving engine's checkpoint layout, or as GGUF for llama.cpp"
+    )
     p.add_argument(
         "drafter",
         help="'reference' or 'reference-dspark' (the bundled DSpark drafter), 'reference-dflash' (the bundled "
         "DFlash drafter) or a saved DSpark drafter directory",
     )
-    p.add_argument("out", help="directory to write (config.json, model.safetensors, vlmspec.json)")
+    p.add_argument(
+        "out",
+        help="directory to write (config.json, model.safetensors, vlmspec.json; gguf: target-*.gguf, drafter-*.gguf)",
+    )
     p.add_argument(
         "--format",
         required=True,
-        choices=("deepspec", "speculators", "dflash"),
-        help="deepspec (vLLM/SGLang DSpark), speculators (vLLM's training library) or dflash (z-lab)",
+        choices=("deepspec", "speculators", "dflash", "gguf"),
+        help="deepspec (vLLM/SGLang DSpark), speculators (vLLM's training library), dflash (z-lab), or gguf: the "
+        "target's language model and the drafter for llama-server --spec-type draft-dspark (docs/llama-cpp.md)",
     )
     p.add_argument(
         "--target",
@@ -378,6 +419,18 @@ def _add_export(commands) -> None:
         action="store_true",
         help="write even where the format's model computes something else (listed as NOT EXACT)",
     )
+    p.add_argument(
+        "--mask-token-id",
+        type=int,
+        default=None,
+        help="the row a learned MASK vector is exported as (mask_embedding.pt); default: the last vocabulary row",
+    )
+    p.add_argument(
+        "--llama-cpp",
+        default=None,
+        help="gguf: a llama.cpp checkout (convert_hf_to_gguf.py, build/bin); default $LLAMA_CPP_DIR",
+    )
+    p.add_argument("--outtype", default="f32", help="gguf: the converter's --outtype (f32, bf16, f16, q8_0)")
     p.set_defaults(run=_run_export)
 
 
@@ -388,7 +441,9 @@ def _run_export(args) -> int:
     is_reference = args.drafter in REFERENCE_DRAFTERS
     source = reference_drafter_dir(args.drafter) if is_reference else args.drafter
     target_spec = args.target or ("reference" if is_reference else None)
-    options = dict(strict=not args.allow_inexact, verifier=args.verifier)
+    if args.format == "gguf":
+        return _run_export_gguf(args, source, target_spec)
+    options = dict(strict=not args.allow_inexact, verifier=args.verifier, mask_token_id=args.mask_token_id)
     try:  # the target is loaded only when the export needs it (a reduced draft vocabulary's LM head rows)
         report = export_drafter(source, args.out, args.format, **options)
     except ValueError as err:
@@ -398,6 +453,22 @@ def _run_export(args) -> int:
 
         report = export_drafter(source, args.out, args.format, target=load_target(target_spec), **options)
     print(report.summary())
+    return 0
+
+
+def _run_export_gguf(args, source, target_spec: str | None) -> int:
+    """The target's language model and the drafter as GGUF files, converted by the user's llama.cpp."""
+    from vlmspec.llama_cpp import LlamaCpp, export_gguf
+    from vlmspec.loading import load_target
+
+    if target_spec is None:
+        raise ValueError("--format gguf writes the target's language model too: pass --target (the drafter's target)")
+    llama_cpp = LlamaCpp.locate(args.llama_cpp)
+    target = load_target(target_spec, dtype="float32")
+    exported = export_gguf(
+        source, args.out, target=target, llama_cpp=llama_cpp, outtype=args.outtype, mask_token_id=args.mask_token_id
+    )
+    print(exported.summary())
     return 0
 
 
@@ -437,23 +508,21 @@ def _scheduler_options(p: argparse.ArgumentParser) -> None:
 
 
 def _generation_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    """The request options (vlmspec.types.RequestOptions): one not given keeps RequestOptions' default."""
+    default = RequestOptions()
+    unset = argparse.SUPPRESS  # absent from args unless given, so the defaults live in RequestOptions only
+    p.add_argument("--max-new-tokens", type=int, default=unset, help=f"default {default.max_new_tokens}")
+    p.add_argument("--temperature", type=float, default=unset, help=f"0 = greedy (default {default.temperature})")
+    p.add_argument("--top-k", type=int, default=unset, help="keep the k likeliest tokens (default: all)")
+    p.add_argument("--top-p", type=float, default=unset, help="nucleus sampling mass in (0, 1] (default: all)")
+    p.add_argument("--seed", type=int, default=unset, help=f"seeds sampling (default {default.seed})")
+    p.add_argument("--stop", action="append", default=unset, help="stop string (repeatable)")
 
 
-def _generation_kwargs(args) -> dict:
-    return dict(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop=args.stop,
-    )
+def _request_options(args) -> RequestOptions:
+    """The request options given on the command line, the others at their defaults."""
+    given = {name: getattr(args, name) for name in RequestOptions.names() if hasattr(args, name)}
+    return RequestOptions.build(**given)
 
 
 def _engine(args, engine_class=None, **options):

@@ -186,9 +186,6 @@ def test_deepspec_and_speculators_share_weight_names(tmp_path, target):
 
 # ---------------------------------------------------------------------------------- refusals
 REFUSALS = [
-    ("deepspec", dict(mask_token_id=None), "learned mask vector"),
-    ("speculators", dict(mask_token_id=None), "learned mask vector"),
-    ("dflash", dict(mask_token_id=None, head_kind="none", confidence_head=False), "learned mask vector"),
     ("deepspec", dict(hidden_size=16), "hidden size"),
     ("deepspec", dict(head_kind="rnn"), "only the vanilla Markov head"),
     ("deepspec", dict(head_kind="gated"), "only the vanilla Markov head"),
@@ -239,9 +236,38 @@ def test_cli_exports_a_drafter_directory(tmp_path, target, capsys):
 
 
 def test_cli_refusal_is_an_error_message(tmp_path, capsys):
-    # The reference drafters use a learned mask vector, which no engine format can carry.
-    assert main(["export", "reference", str(tmp_path / "out"), "--format", "deepspec"]) == 2
-    assert "learned mask vector" in capsys.readouterr().err
+    # The bundled DFlash drafter has a reduced draft vocabulary, which z-lab's layout has no map for.
+    assert main(["export", "reference-dflash", str(tmp_path / "out"), "--format", "dflash"]) == 2
+    assert "no draft vocabulary map" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("format", ["deepspec", "speculators"])
+def test_a_learned_mask_vector_travels_as_mask_embedding_pt_and_comes_back(tmp_path, target, format):
+    drafter = make_drafter(target, mask_token_id=None)
+    with torch.no_grad():
+        drafter.mask_embedding.normal_()
+    report = export_drafter(drafter, tmp_path, format)
+    mask = torch.load(tmp_path / "mask_embedding.pt", weights_only=True)
+    # The row llama.cpp's converter overwrites in the draft's own embedding copy: the last one by default.
+    assert mask["mask_token_id"] == target.vocab_size - 1
+    assert mask["embedding"].dtype == torch.float32 and mask["embedding"].shape == (32,)
+    torch.testing.assert_close(mask["embedding"], drafter.mask_embedding.detach())
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config.get("mask_token_id") or config["dflash_config"]["mask_token_id"]) == target.vocab_size - 1
+    assert any("mask_embedding.pt" in note for note in report.notes)
+
+    back = import_drafter(tmp_path, target=target)
+    assert back.config.mask_token_id is None
+    data = inputs(target, drafter.config)
+    torch.testing.assert_close(vlmspec_outputs(back, data)[0], vlmspec_outputs(drafter, data)[0])
+
+
+def test_a_row_mask_drafter_leaves_no_stale_mask_file(tmp_path, target):
+    export_drafter(make_drafter(target, mask_token_id=None), tmp_path, "speculators", mask_token_id=91)
+    assert torch.load(tmp_path / "mask_embedding.pt", weights_only=True)["mask_token_id"] == 91
+    export_drafter(make_drafter(target), tmp_path, "speculators")
+    assert not (tmp_path / "mask_embedding.pt").exists()
+    assert import_drafter(tmp_path, target=target).config.mask_token_id == MASK_ID
 
 
 # ---------------------------------------------------------------------------------- equivalence

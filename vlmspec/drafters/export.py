@@ -29,6 +29,18 @@ with q/k RMS norms, and a mask token that is a row of the target's embedding
 (``mask_token_id``). vlmspec-only fields (``position_rule``, ``head_rank`` ...) ride along in
 ``vlmspec.json``, which engines ignore.
 
+A learned MASK vector (``mask_token_id=None``) is written beside the weights as
+``mask_embedding.pt`` (``{"mask_token_id": N, "embedding": [d] float32}``), the file llama.cpp's
+``convert_hf_to_gguf.py`` reads: it copies the target's embedding into the draft GGUF and puts
+the vector into row N of that copy, so the draft sees exactly vlmspec's MASK while the target's
+own row N is untouched. N (``mask_token_id=`` of :func:`export_drafter`; default the last row,
+``target_vocab_size - 1``: a padding row on Qwen-VL targets, the video placeholder on the
+reference target) must be an id that is never an anchor, i.e. never generated. vLLM's
+``Qwen3DSparkModel`` reads a MASK vector only through a full ``embed_tokens.weight`` in the
+checkpoint (it ignores ``mask_embedding``); speculators' ``DSparkDraftModel`` and SGLang take
+row N of the target's embedding and ignore the file. Those engines draft with another MASK:
+the report's notes say so.
+
 Weight names map one to one (vlmspec -> exported): ``backbone.context_proj`` -> ``fc``,
 ``backbone.context_norm`` -> ``hidden_norm``, ``backbone.layers.i.input_norm`` ->
 ``layers.i.input_layernorm``, ``.attn.`` -> ``.self_attn.``, ``.mlp_norm`` ->
@@ -39,6 +51,7 @@ Weight names map one to one (vlmspec -> exported): ``backbone.context_proj`` -> 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -55,6 +68,7 @@ from vlmspec.drafters.dspark.model import WEIGHTS_NAME, DSparkDrafter
 FORMATS = ("deepspec", "speculators", "dflash")
 VLMSPEC_META = "vlmspec.json"  # vlmspec-only fields, ignored by the engines
 MAX_POSITIONS = 32768
+MASK_EMBEDDING_NAME = "mask_embedding.pt"  # a learned MASK vector, in the file llama.cpp's converter reads
 
 #: vlmspec state-dict name prefix <-> exported prefix ({i}: a layer index); first match wins.
 _NAME_PAIRS: tuple[tuple[str, str], ...] = (
@@ -113,6 +127,7 @@ def export_drafter(
     strict: bool = True,
     verifier: str | None = None,
     max_position_embeddings: int = MAX_POSITIONS,
+    mask_token_id: int | None = None,
 ) -> ExportReport:
     """Write ``drafter_or_dir`` (a drafter, or a directory saved by ``save_pretrained``) in ``format``.
 
@@ -122,6 +137,8 @@ def export_drafter(
     recorded where the format has a field for it. With ``strict=False`` a computational
     difference between vlmspec and the format (see the module docstring) is written anyway
     and listed in ``report.inexact``; refusals of what cannot be written at all stay errors.
+    ``mask_token_id`` is the row a learned MASK vector is exported as (see the module docstring;
+    default ``target_vocab_size - 1``); a drafter whose MASK is already a row keeps its own.
     Raises ``ValueError`` with the fix for anything the format cannot express.
     """
     if format not in FORMATS:
@@ -129,13 +146,15 @@ def export_drafter(
     config, state, head_weight = _drafter_parts(drafter_or_dir, target)
     report = ExportReport(format, Path(out_dir))
     _check_expressible(config, format, strict, report)
+    mask = _learned_mask(config, state, mask_token_id, report)
     weights = _export_weights(config, state, format, report)
     if config.draft_vocab_size is not None:
         weights.update(_vocab_map(config, state, head_weight, weights))
     num_target_layers = getattr(target, "num_layers", None) or max(config.target_layer_ids) + 2
     writers = {"deepspec": _deepspec_config, "speculators": _speculators_config, "dflash": _dflash_config}
-    exported = writers[format](config, num_target_layers, max_position_embeddings, verifier)
-    _write(report.directory, exported, weights, config)
+    row_config = config if mask is None else dataclasses.replace(config, mask_token_id=mask["mask_token_id"])
+    exported = writers[format](row_config, num_target_layers, max_position_embeddings, verifier)
+    _write(report.directory, exported, weights, config, mask)
     for message in report.dropped + report.inexact:
         warnings.warn(f"export to {format}: {message}", stacklevel=2)
     return report
@@ -160,12 +179,6 @@ def _drafter_parts(
 
 def _check_expressible(config: DSparkConfig, format: str, strict: bool, report: ExportReport) -> None:
     """Refuse what ``format`` cannot express; record what it drops or computes differently."""
-    if config.mask_token_id is None:
-        raise ValueError(
-            f"this drafter uses a learned mask vector (mask_token_id=None); {format} loaders embed MASK as a "
-            "row of the target's embedding. Train the drafter with mask_token_id set to a reserved id in "
-            "[len(tokenizer), vocab_size) (DSparkConfig.mask_token_id), then export it"
-        )
     if config.hidden_size != config.target_hidden_size:
         raise ValueError(
             f"drafter hidden size {config.hidden_size} differs from the target's {config.target_hidden_size}; "
@@ -190,6 +203,26 @@ def _check_expressible(config: DSparkConfig, format: str, strict: bool, report: 
         "an engine that feeds the drafter other 1-D positions for image prompts drafts differently there "
         "(text-only prompts agree: all M-RoPE rows are equal for text)"
     )
+
+
+def _learned_mask(
+    config: DSparkConfig, state: dict[str, torch.Tensor], mask_token_id: int | None, report: ExportReport
+) -> dict[str, Any] | None:
+    """The ``mask_embedding.pt`` content of a learned MASK vector (None when MASK is a row already)."""
+    if config.mask_token_id is not None:
+        return None
+    row = config.target_vocab_size - 1 if mask_token_id is None else int(mask_token_id)
+    if not 0 <= row < config.target_vocab_size:
+        raise ValueError(
+            f"mask_token_id {row} is outside the target vocabulary [0, {config.target_vocab_size}); pass an id "
+            "the target never generates (a padding row past the tokenizer, or the video placeholder)"
+        )
+    report.notes.append(
+        f"learned MASK vector: written to {MASK_EMBEDDING_NAME} as row {row}; llama.cpp's convert_hf_to_gguf.py "
+        "puts it into the draft's own embedding table (exact). vLLM, speculators and SGLang read MASK as row "
+        f"{row} of the target's embedding and ignore {MASK_EMBEDDING_NAME}: there they draft with another MASK"
+    )
+    return {"mask_token_id": row, "embedding": state["mask_embedding"].detach().float().cpu().contiguous()}
 
 
 def _check_dflash(config: DSparkConfig, strict: bool, report: ExportReport) -> None:
@@ -241,7 +274,7 @@ def _export_weights(
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         if name in ("draft_token_ids", "mask_embedding"):
-            continue  # the vocabulary map is written separately; a learned mask was refused earlier
+            continue  # the vocabulary map and a learned mask vector are written separately
         new = _rename(name, _RENAMES)
         if new is None:
             raise ValueError(f"no {format} name for drafter weight {name!r}; this vlmspec version cannot export it")
@@ -375,7 +408,13 @@ def _dflash_config(config: DSparkConfig, num_target_layers: int, max_positions: 
     }
 
 
-def _write(directory: Path, exported: dict, weights: dict[str, torch.Tensor], config: DSparkConfig) -> None:
+def _write(
+    directory: Path,
+    exported: dict,
+    weights: dict[str, torch.Tensor],
+    config: DSparkConfig,
+    mask: dict[str, Any] | None,
+) -> None:
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -383,6 +422,11 @@ def _write(directory: Path, exported: dict, weights: dict[str, torch.Tensor], co
     meta = {"vlmspec_config": config.to_dict()}
     (directory / VLMSPEC_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+    mask_file = directory / MASK_EMBEDDING_NAME
+    if mask is not None:
+        torch.save(mask, mask_file)
+    elif mask_file.exists():  # a stale vector from an earlier export into the same directory would be read
+        mask_file.unlink()
 
 
 # ---------------------------------------------------------------------------------- import
@@ -411,26 +455,24 @@ def read_exported(directory: str | os.PathLike) -> tuple[DSparkConfig, dict[str,
     format = detect_format(path)
     data = json.loads((path / CONFIG_NAME).read_text())
     config = _config_from(format, data, _vlmspec_meta(path))
-    exported = load_file(str(path / WEIGHTS_NAME))
-    return config, _import_weights(config, exported, path)
+    state = _import_weights(config, load_file(str(path / WEIGHTS_NAME)), path)
+    mask_file = path / MASK_EMBEDDING_NAME
+    if mask_file.is_file():  # a learned MASK vector: the drafter owns it again, the row is only its export name
+        mask = torch.load(mask_file, map_location="cpu", weights_only=True)
+        if mask.get("mask_token_id") != config.mask_token_id:
+            raise ValueError(
+                f"{mask_file} names mask_token_id {mask.get('mask_token_id')} but {CONFIG_NAME} says "
+                f"{config.mask_token_id}; the files come from different exports: export the drafter again"
+            )
+        config = dataclasses.replace(config, mask_token_id=None)
+        state["mask_embedding"] = mask["embedding"]
+    return config, state
 
 
 def import_drafter(directory: str | os.PathLike, *, target: Any) -> DSparkDrafter:
     """Load an exported drafter (any of ``FORMATS``) as a :class:`DSparkDrafter` tied to ``target``."""
-    from vlmspec.drafters.dspark.model import _tie
-
     config, state = read_exported(directory)
-    config.check_target(target)
-    drafter = DSparkDrafter(config, _tie(target))
-    expected = set(drafter.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ValueError(
-            f"{directory}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]}); "
-            "the checkpoint is incomplete or was written for another architecture"
-        )
-    drafter.load_state_dict(state)
-    return drafter.to(device=target.device, dtype=target.dtype)
+    return DSparkDrafter.from_state(config, state, target=target, source=str(directory))
 
 
 def _vlmspec_meta(path: Path) -> dict[str, Any]:
