@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 import torch
 
-from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter
+from vlmspec.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkProposer
 from vlmspec.engine import SpecEngine
 from vlmspec.loading import load_target
 from vlmspec.targets.adapter import resolve_dtype
@@ -56,6 +56,7 @@ from vlmspec.training import (
     split_prompts,
     target_fingerprint,
 )
+from vlmspec.training.answers import answer_files, answers_meta, cached_answers, load_answers, save_answers
 from vlmspec.training.calibrate import write_report
 from vlmspec.training.losses import FOCUS_KINDS
 from vlmspec.training.online import OnlineFeatures
@@ -117,6 +118,13 @@ def _cache_options(group) -> None:
     add("--first-turn-only", action="store_true", help="answer only the first user turn of multi-turn prompts")
     add("--cache-dtype", default="bfloat16", choices=("bfloat16", "float16"), help="storage dtype of target states")
     add(
+        "--answers",
+        type=Path,
+        default=None,
+        help="a directory of committed answers files (answers-*.npz, vlmspec.training.answers): their prompts are "
+        "replayed instead of regenerated, and the answers this run regenerates are written there as the next file",
+    )
+    add(
         "--cache-contents",
         default="features",
         choices=("features", "tokens"),
@@ -175,6 +183,13 @@ def _drafter_options(group) -> None:
         action="store_true",
         help="start the drafter's layers from the target's last decoder layers, in the target's layer shape, "
         "with the feature projection passing the deepest hooked layer through (vlmspec.training.warm_start)",
+    )
+    add(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="start from this trained drafter (a drafter/ directory, e.g. a shipped half-precision one): its shape "
+        "and draft vocabulary replace the shape options; the optimizer starts fresh",
     )
 
 
@@ -331,6 +346,7 @@ def build_target_cache(args, accelerator, target, items, spec: CacheSpec, cache_
         open_cache_dir(cache_dir, spec)
         print(estimate_cache_size(target, items, spec).describe(), flush=True)
     accelerator.wait_for_everyone()
+    stored = load_answers(answer_files(args.answers), answers_meta(spec)) if args.answers is not None else {}
     report = build_cache(
         regeneration_target(args, target, accelerator),
         items,
@@ -341,17 +357,34 @@ def build_target_cache(args, accelerator, target, items, spec: CacheSpec, cache_
         shard_size=args.shard_size,
         batch_size=args.regen_batch_size,
         show_progress=accelerator.is_local_main_process,
+        answers=stored,
     )
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         counts = finalize_cache(cache_dir)["counts"]
+        if args.answers is not None:
+            export_new_answers(TargetCache(cache_dir), stored, args.answers, spec)
         print(
             f"target cache: {counts['sequences']} sequences, {counts['tokens']:,} tokens, "
             f"{counts['bytes'] / 2**20:.1f} MiB ({counts['bytes_per_sequence'] / 2**10:.1f} KiB per sequence)",
             flush=True,
         )
     accelerator.wait_for_everyone()
-    return {"regenerated_prompts": report.prompts_done, "regeneration_seconds": report.seconds}
+    return {
+        "regenerated_prompts": report.prompts_done - report.prompts_replayed,
+        "replayed_prompts": report.prompts_replayed,
+        "regeneration_seconds": report.seconds,
+    }
+
+
+def export_new_answers(cache: TargetCache, stored: dict, directory: Path, spec: CacheSpec) -> Path | None:
+    """Write the cache's answers that ``directory``'s files lack as its next ``answers-NNNNN.npz`` (none: None)."""
+    new = {key: tokens for key, tokens in cached_answers(cache).items() if key not in stored}
+    if not new:
+        return None
+    path = save_answers(directory / f"answers-{len(answer_files(directory)):05d}.npz", new, answers_meta(spec))
+    print(f"answers: {len(new):,} new answers -> {path} ({path.stat().st_size / 2**20:.1f} MiB)", flush=True)
+    return path
 
 
 def choose_draft_vocabulary(drafter: DSparkDrafter, cache: TargetCache, target) -> dict[str, Any]:
@@ -412,7 +445,7 @@ def finish(args, target, out: Path, drafter_dir: Path, heldout_items, report: di
         target.save_pretrained(out / "target")  # SpecEngine.from_pretrained(OUT/target, drafter=OUT/drafter)
     if heldout_items:
         trained = DSparkDrafter.from_pretrained(drafter_dir, target=target)
-        run = measure_heldout(SpecEngine(target, trained.proposer()), heldout_items, args, "trained drafter")
+        run = measure_heldout(SpecEngine(target, DSparkProposer(trained)), heldout_items, args, "trained drafter")
         report["trained"] = run.as_dict()
         if not args.skip_calibration and trained.config.confidence_head:
             report["calibration"] = list(calibrate(run, drafter_dir).temperatures)
@@ -443,7 +476,8 @@ def main(argv: list[str] | None = None, *, target=None) -> dict[str, Any]:
             device=accelerator.device,
         )
     target.model.requires_grad_(False)
-    config = drafter_config(args, target)
+    # A warm start (--init-from) keeps the trained drafter's shape, hooked layers and draft vocabulary.
+    config = DSparkConfig.load(args.init_from) if args.init_from is not None else drafter_config(args, target)
     report: dict[str, Any] = {
         "target": args.target,
         "drafter_config": config.to_dict(),
@@ -466,11 +500,16 @@ def main(argv: list[str] | None = None, *, target=None) -> dict[str, Any]:
     else:
         data = OnlineFeatures(cache, regeneration_target(args, target, accelerator), config.target_layer_ids)
 
-    drafter = new_drafter(target, config, args.seed, from_target_layers=args.init_from_target)
-    if config.draft_vocab_size is not None:
+    if args.init_from is not None:
+        drafter = DSparkDrafter.from_pretrained(args.init_from, target=target)
+    else:
+        drafter = new_drafter(target, config, args.seed, from_target_layers=args.init_from_target)
+    if config.draft_vocab_size is not None and args.init_from is None:
         report["draft_vocabulary"] = choose_draft_vocabulary(drafter, cache, target)
     if accelerator.is_main_process and heldout_items and not args.skip_untrained_eval:
-        untrained = measure_heldout(SpecEngine(target, drafter.proposer()), heldout_items, args, "untrained drafter")
+        untrained = measure_heldout(
+            SpecEngine(target, DSparkProposer(drafter)), heldout_items, args, "untrained drafter"
+        )
         report["untrained"] = untrained.as_dict()
     accelerator.wait_for_everyone()
 

@@ -14,9 +14,12 @@
 # The drafters shipped today came from this script as of commit b83d8e2 (recipes/README.md,
 # "The reference pair"); a run of the 10x plan has not finished on any machine yet.
 #
-# The run outlasts a session: everything lives in RUN, outside the work tree, and every stage
-# resumes where it stopped when the script is started again (on a new machine RUN is empty
-# and the run starts over). Stages:
+# This is the plan in one sitting on one machine. Sessions here last 3 hours and may land on a
+# new machine: there, run it in stages with `bash recipes/continue_10x.sh`, which carries the
+# run through the repository (recipes/README.md, "The 10x run"). Here everything lives in RUN,
+# outside the work tree, and every stage resumes where it stopped when the script is started
+# again; the answers come from and go to the committed recipes/data/reference-10x (--answers),
+# so a new machine replays them instead of regenerating. Stages:
 #   1. the prompt mix (26,708 prompts: GSM8K/MT-Bench entries the benchmark does not ask, synthetic
 #      instructions, code about standard-library functions, maths, a quarter with a second turn,
 #      3,060 with an image; the benchmark's questions held out in reference_prompts.py);
@@ -47,7 +50,8 @@ fi
 
 COMMON=(--target reference --prompts "$RUN/prompts/prompts.jsonl" "${SAMPLE[@]}" --heldout-prompts 16
         --max-new-tokens 256 --temperature 0 --cache "$RUN/cache" --cache-contents "$CONTENTS"
-        --shard-size 256 --regen-dtype bfloat16 --block-size 7 --draft-layers 2 --head-rank 64 --draft-vocab 8192)
+        --shard-size 256 --regen-dtype bfloat16 --block-size 7 --draft-layers 2 --head-rank 64 --draft-vocab 8192
+        --answers recipes/data/reference-10x)
 
 # The bfloat16 target answers and, for CONTENTS=features, computes the stored states (2-3x faster than
 # float32 here); the float32 target reuses the cache (its fingerprint is dtype-free) for training,

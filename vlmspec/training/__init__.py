@@ -10,6 +10,9 @@ The pipeline (``recipes/train_qwen3vl.py`` runs it in one command):
 4. ``Trainer``: accelerate-based training with the DSpark losses (``losses.py``);
 5. ``run_heldout`` + ``calibrate``: tau on held-out prompts through the engine, and STS
    calibration saved beside the drafter.
+
+``answers.py`` keeps the regenerated answers as a small committable file (token ids only);
+``build_cache(..., answers=...)`` replays them instead of regenerating.
 """
 
 from vlmspec.training.anchors import block_targets, sample_anchors, valid_anchor_mask, valid_prefix
