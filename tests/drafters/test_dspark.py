@@ -609,3 +609,17 @@ def test_new_drafters_take_the_video_placeholder_as_mask(make_target, family):
     torch.testing.assert_close(drafter.block_inputs(torch.tensor([1]))[0, 1].float(), mask_row)
     with pytest.raises(ValueError, match="unused_token_ids start"):
         DSparkDrafter.from_target(target, DSparkConfig.for_target(target, head_rank=4, mask_token_id=5))
+
+
+def test_importing_the_model_does_not_import_the_proposer():
+    """The issue's check, at run time: a fresh interpreter that imports the model never loads the proposer."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, vlmspec.drafters.dspark.model\n"
+        "assert 'vlmspec.drafters.dspark.proposer' not in sys.modules, 'the model imported the proposer'\n"
+        "from vlmspec.drafters import DSparkProposer\n"  # still public, loaded on first use
+        "assert DSparkProposer.__module__ == 'vlmspec.drafters.dspark.proposer'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -20,7 +20,6 @@ from vlmspec.drafters.dspark.heads import (
     build_head,
 )
 from vlmspec.drafters.dspark.model import DraftOutput, DraftSample, DSparkDrafter
-from vlmspec.drafters.dspark.proposer import DSparkProposer, DSparkState
 
 __all__ = [
     "HEADS",
@@ -44,3 +43,14 @@ __all__ = [
     "build_head",
     "default_layer_ids",
 ]
+
+
+def __getattr__(name: str):
+    # The proposer (the engine-facing side) loads on first use, so that importing the model,
+    # its config or its heads (export, training) never imports the proposer: the two modules
+    # depend one way only, proposer -> model.
+    if name in ("DSparkProposer", "DSparkState"):
+        from vlmspec.drafters.dspark import proposer
+
+        return getattr(proposer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
