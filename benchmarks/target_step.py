@@ -10,6 +10,10 @@ run, for every backend the runner has on this machine:
   (``vlmspec/kernels/cpu_kernels.py``), the default where it builds: its AVX-512 (and
   AVX512-BF16) form where the CPU has it, and on such CPUs also ``fast, kernel (AVX2)``,
   the same kernels held to AVX2 (``VLMSPEC_CPU_ISA=avx2``), to show what AVX-512 moves.
+  Where the packed decoder runs all its layers in one native call (Qwen2-VL and
+  Qwen2.5-VL on the kernel: ``PackedDecoder.native``), ``fast, vlmspec kernel, Python
+  layer loop`` runs the same kernels one Python-level call at a time, to show what the
+  native loop moves (the ``layers`` column says which loop ran).
 
 Each configuration is profiled ``--rounds`` times in turn (A, B, C, A, B, C, ...), so a
 slow minute of the shared machine hits all of them, and the median of its rounds is
@@ -52,12 +56,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-# name -> (decode mode, kernel on, ISA the kernel may use: "native" or "avx2")
+# name -> (decode mode, kernel on, ISA the kernel may use: "native" or "avx2", decoder layer loop:
+# "native" (one call for all layers, where the decoder has it) or "python")
 CONFIGS = {
-    "reference (transformers eager)": ("reference", True, "native"),
-    "fast, oneDNN/ATen linears": ("fast", False, "native"),
-    "fast, vlmspec kernel (AVX2)": ("fast", True, "avx2"),
-    "fast, vlmspec kernel": ("fast", True, "native"),
+    "reference (transformers eager)": ("reference", True, "native", "python"),
+    "fast, oneDNN/ATen linears": ("fast", False, "native", "native"),
+    "fast, vlmspec kernel (AVX2)": ("fast", True, "avx2", "native"),
+    "fast, vlmspec kernel": ("fast", True, "native", "native"),
+    "fast, vlmspec kernel, Python layer loop": ("fast", True, "native", "python"),
 }
 
 
@@ -81,18 +87,28 @@ def kernel_enabled(enabled: bool, isa: str = "native") -> Iterator[None]:
         cpu_kernels.kernel_available.cache_clear()
 
 
-def step_times(target, decode: str, kernel: bool, isa: str, args: argparse.Namespace) -> tuple[dict[int, float], str]:
-    """T_verify(n) in seconds for n in TOKEN_COUNTS (the runner's forward, as `vlmspec profile` times it)."""
+def step_times(
+    target, decode: str, kernel: bool, isa: str, layers: str, args: argparse.Namespace
+) -> tuple[dict[int, float], str, str]:
+    """T_verify(n) in seconds for n in TOKEN_COUNTS (the runner's forward, as `vlmspec profile` times it).
+
+    Also returns the linears' backend and the layer loop that ran (``native`` or ``python``).
+    """
     from vlmspec.targets.profile import profile_target
 
     target.decode = decode
     with kernel_enabled(kernel, isa):
         target.to_device(target.device)  # drops the packed weights: repacked for this backend
-        backend = target.packed_decoder().backend if decode == "fast" else "transformers"
+        backend, loop = "transformers", "python"
+        if decode == "fast":
+            decoder = target.packed_decoder()
+            if layers == "python":
+                decoder.native = None  # the same packed weights, one Python-level call per kernel
+            backend, loop = decoder.backend, "python" if decoder.native is None else "native"
         table = profile_target(
             target, max_tokens=max(TOKEN_COUNTS), context_length=args.context_length, warmup=2, repeats=args.repeats
         )
-    return {n: 1.0 / table.sps(n) for n in TOKEN_COUNTS}, backend
+    return {n: 1.0 / table.sps(n) for n in TOKEN_COUNTS}, backend, loop
 
 
 def linear_pass_seconds(target, kernel: bool, isa: str, rows: int) -> float:
@@ -126,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     out = prepare_out_dir(args.out)
     from vlmspec.kernels.cpu_kernels import cpu_has_avx512
 
-    default = [name for name, (_, _, isa) in CONFIGS.items() if isa == "native" or cpu_has_avx512()]
+    default = [name for name, (_, _, isa, _) in CONFIGS.items() if isa == "native" or cpu_has_avx512()]
     configs = {name: CONFIGS[name] for name in args.config or default}
     report: dict = {"configs": {}, "linears": {}}
     step_rows, linear_rows, series = [], [], {}
@@ -135,20 +151,33 @@ def main(argv: Sequence[str] | None = None) -> Path:
         weight_bytes = _linear_weight_bytes(target)
         runs: dict[str, list[dict[int, float]]] = {name: [] for name in configs}
         backends: dict[str, str] = {}
+        loops: dict[str, str] = {}
         for round_index in range(args.rounds):
             for name in rotated(list(configs), round_index):
-                times, backends[name] = step_times(target, *configs[name], args)
+                times, backends[name], loops[name] = step_times(target, *configs[name], args)
                 runs[name].append(times)
             print(f"[target-step] {dtype}: round {round_index + 1}/{args.rounds} done", flush=True)
         for name, samples in runs.items():
             median = {n: statistics.median(s[n] for s in samples) for n in TOKEN_COUNTS}
-            report["configs"][f"{dtype} / {name}"] = {"backend": backends[name], "seconds": median}
+            report["configs"][f"{dtype} / {name}"] = {
+                "backend": backends[name],
+                "layers": loops[name],
+                "seconds": median,
+            }
             step_rows.append(
-                [dtype, name, backends[name], *(median[n] * 1e3 for n in TOKEN_COUNTS), median[8] / median[1]]
+                [
+                    dtype,
+                    name,
+                    backends[name],
+                    loops[name],
+                    *(median[n] * 1e3 for n in TOKEN_COUNTS),
+                    median[8] / median[1],
+                ]
             )
             series[f"{dtype}: {name}"] = (list(TOKEN_COUNTS), [median[n] * 1e3 for n in TOKEN_COUNTS])
-        linear_configs = {name: config for name, config in configs.items() if config[0] == "fast"}
-        for name, (_, kernel, isa) in linear_configs.items():
+        # The Python layer loop reads the same linears as the native one: timed once.
+        linear_configs = {name: c for name, c in configs.items() if c[0] == "fast" and c[3] == "native"}
+        for name, (_, kernel, isa, _) in linear_configs.items():
             for rows in (1, 8):
                 seconds = linear_pass_seconds(target, kernel, isa, rows)
                 label = name.removeprefix("fast, ")
@@ -157,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
         target.decode = "fast"
 
     step_table = markdown_table(
-        ["dtype", "forward", "linears", *(f"T({n}) ms" for n in TOKEN_COUNTS), "T(8) / T(1)"], step_rows
+        ["dtype", "forward", "linears", "layers", *(f"T({n}) ms" for n in TOKEN_COUNTS), "T(8) / T(1)"], step_rows
     )
     linear_table = markdown_table(["dtype", "linears", "rows", "all linears ms", "GB/s"], linear_rows)
     text = (

@@ -1,5 +1,6 @@
 // Helpers shared by vlmspec's CPU kernels (cpu_linear.cpp: the linears; cpu_kernels.cpp: norm,
-// RoPE + KV write, attention, and the operator registrations). Built with -mavx2 -mfma; the
+// RoPE + KV write, attention, and the operator registrations; cpu_step.cpp: every decoder layer
+// of a step in one call). Built with -mavx2 -mfma; the
 // AVX-512 code in cpu_linear.cpp is compiled for AVX-512 and chosen at run time.
 #pragma once
 
@@ -51,5 +52,12 @@ std::string kernel_isa();
 at::Tensor pack_weight(const at::Tensor& weight);
 at::Tensor packed_linear_op(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                             const std::optional<at::Tensor>& bias);
+
+// Norm, RoPE + KV write and attention (cpu_kernels.cpp), also called by the layer loop (cpu_step.cpp).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin, at::Tensor keys,
+                      at::Tensor values, const at::Tensor& rows, const at::Tensor& slots, int64_t heads);
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                            const at::Tensor& rows, const at::Tensor& visible, double scaling);
 
 }  // namespace vlmspec_cpu

@@ -26,6 +26,9 @@ void rms_norm_rows(const T* x, const T* weight, int64_t rows, int64_t d, float e
   }
 }
 
+}  // namespace
+
+// Outside the anonymous namespace (as are the two below): cpu_step.cpp calls them directly.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == weight.scalar_type() && weight.dim() == 1 && x.size(-1) == weight.size(0),
               "rms_norm: x [..., d] and weight [d] of one dtype expected, got ", x.sizes(), " ", x.scalar_type(),
@@ -42,6 +45,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   }
   return out;
 }
+
+namespace {
 
 // ---- attention of a few new tokens over their rows' KV buffers ------------------------
 // A decode step attends one query (a verify: a few) per head over a few hundred cached keys:
@@ -173,6 +178,8 @@ void attend_all(const float* query, const T* keys, const T* values, const int64_
   });
 }
 
+}  // namespace
+
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                             const at::Tensor& rows, const at::Tensor& visible, double scaling) {
   TORCH_CHECK(query.dim() == 3 && keys.dim() == 4 && keys.sizes() == values.sizes(),
@@ -204,6 +211,8 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
   }
   return out.to(query.scalar_type());
 }
+
+namespace {
 
 // ---- RoPE on q and k, and the KV write, in one call ---------------------------------------
 // After a layer's fused q/k/v projection, the eager path slices, rolls, multiplies and adds
@@ -240,6 +249,8 @@ void rope_write_rows(const T* qkv, const T* cos, const T* sin, T* keys, T* value
   }
 }
 
+}  // namespace
+
 at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin, at::Tensor keys,
                       at::Tensor values, const at::Tensor& rows, const at::Tensor& slots, int64_t heads) {
   TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.is_contiguous() && values.is_contiguous(),
@@ -271,7 +282,6 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   return q;
 }
 
-}  // namespace
 }  // namespace vlmspec_cpu
 
 using namespace vlmspec_cpu;

@@ -31,12 +31,19 @@ where SDPA's CPU kernel spends 150-200 us a layer on one token and a few hundred
 The reference target's step in bfloat16, one row, median of interleaved runs: 12.8 ms
 with it against 18.4 ms with SDPA for one token, 18.3 against 20.6 for 4, a tie at 8.
 :func:`rope_write` rotates q and k and writes the new K/V in one call.
+:func:`decoder_layers` runs every decoder layer of a step in one call: these kernels, called
+from C++ in the Python loop's order (``cpu_step.cpp``; see :mod:`vlmspec.targets.packed`).
 
-The kernels (``cpu_linear.cpp``, ``cpu_kernels.cpp``, ``cpu_common.h``) are compiled on first use, once per machine and torch
-version, into ``$VLMSPEC_CACHE/kernels`` (about 20 s; needs g++ and ninja, which
-``pip install vlmspec`` brings). Where it cannot be built or run, :func:`skinny_linear`
-is unavailable and the fast forward falls back to oneDNN or ATen, with one warning that
-says why. ``VLMSPEC_CPU_KERNEL=0`` turns it off.
+The kernels (``cpu_linear.cpp``, ``cpu_kernels.cpp``, ``cpu_step.cpp``, ``cpu_common.h``) are
+compiled on first use, once per machine and torch version, into ``$VLMSPEC_CACHE/kernels``
+(about 20 s; needs a C++ compiler, which ``scripts/setup.sh`` installs, and ninja, which
+``pip install vlmspec`` brings; the compiler is ``c++`` or ``$CXX``, torch's convention).
+Where it cannot be built or run, :func:`skinny_linear` is unavailable and the fast forward
+falls back to oneDNN or ATen (about 2x slower a step), with one warning that says why.
+``VLMSPEC_CPU_KERNEL=0`` turns it off. Whether the kernel is available is decided once per process
+(:func:`kernel_available`, cached; ``kernel_available.cache_clear()`` decides again, e.g.
+after a test changed the environment), and a target or drafter picks its linears' backend
+when it packs its weights, so objects built before such a change keep their backend.
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ from vlmspec.paths import default_cache_dir
 KERNEL_ENV = "VLMSPEC_CPU_KERNEL"
 # "avx2" holds an AVX-512 CPU to the AVX2 kernels (read by the kernel at each call): for tests and A/B timings.
 ISA_ENV = "VLMSPEC_CPU_ISA"
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_linear.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_linear.cpp", "cpu_step.cpp"))
 HEADER = Path(__file__).with_name("cpu_common.h")
 # Measured on the AVX2 EPYC, a pass over every linear of the reference target: the kernel
 # beats ATen's GEMM at every row count up to 64 (float32 223 against 333 ms at 64 rows,
@@ -143,6 +150,31 @@ def rope_write(
     return torch.ops.vlmspec.rope_write(qkv, cos, signed_sin, keys, values, rows, slots, heads)
 
 
+def decoder_layers(
+    hidden: torch.Tensor,  # [B, d] the packed tokens' embeddings
+    cos: torch.Tensor,  # [B, hd] in hidden's dtype
+    signed_sin: torch.Tensor,  # [B, hd] the sin with its first half negated
+    weights: list[torch.Tensor | None],  # per layer: input norm, qkv W, b, o W, b, post norm, gate_up W, b, down W, b
+    out_features: list[int],  # per layer: the qkv, o, gate_up and down linears' output sizes
+    keys: list[torch.Tensor],  # per layer [R_cap, Hkv, S_cap, hd], written at [rows[b], :, slots[b]]
+    values: list[torch.Tensor],  # per layer [R_cap, Hkv, S_cap, hd]
+    rows: torch.Tensor,  # [B] int64
+    slots: torch.Tensor,  # [B] int64; token b attends slots 0 .. slots[b] of its row
+    heads: int,
+    eps: float,
+    scaling: float,
+    feature_layers: list[int],
+) -> list[torch.Tensor]:  # [hidden after the last layer [B, d], then after each of feature_layers]
+    """Every decoder layer of a packed step in one call: the Python loop's kernel calls, in its order, from C++.
+
+    A linear weight of 4 dims is one :func:`pack_weight` made, of 2 dims one :func:`skinny_linear`
+    reads; biases may be None. :class:`vlmspec.targets.packed.PackedDecoder` builds the lists.
+    """
+    return torch.ops.vlmspec.decoder_layers(
+        hidden, cos, signed_sin, weights, out_features, keys, values, rows, slots, heads, eps, scaling, feature_layers
+    )
+
+
 def attention_applies(keys: torch.Tensor, head_dim: int) -> bool:
     """Whether :func:`decode_attention` can read this KV buffer here."""
     return keys.is_contiguous() and head_dim % 8 == 0 and kernel_applies(keys)
@@ -161,7 +193,7 @@ def kernel_available() -> bool:
         warnings.warn(
             f"vlmspec's CPU matrix-vector kernel could not be built ({type(error).__name__}: {error}); "
             "decode steps fall back to oneDNN/ATen and run slower. Install a C++ compiler and ninja "
-            f"(apt install g++; pip install ninja), or set {KERNEL_ENV}=0 to silence this.",
+            f"(apt install g++, as scripts/setup.sh does; pip install ninja), or set {KERNEL_ENV}=0 to silence this.",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -181,6 +213,8 @@ def _cpu_has_avx2() -> bool:
 def _build_and_load() -> None:
     from torch.utils.cpp_extension import load
 
+    if _kernel_loaded():  # loading again after the environment changed would register every operator twice: abort
+        return
     build_dir = _build_directory()
     build_dir.mkdir(parents=True, exist_ok=True)
     name = "vlmspec_cpu_kernels"
@@ -194,6 +228,11 @@ def _build_and_load() -> None:
         is_python_module=False,
         verbose=False,
     )
+
+
+def _kernel_loaded() -> bool:
+    """Whether this process already has the kernel's operators (a library loads once per process)."""
+    return hasattr(torch.ops.vlmspec, "skinny_linear")
 
 
 def _build_directory() -> Path:

@@ -21,7 +21,14 @@ after a prefill (decode and verify):
   M-RoPE position in all three components, so both M-RoPE layouts (sectioned and
   interleaved) reduce to plain RoPE over the model's own ``inv_freq``;
 * keys and values go straight into the runner's preallocated KV buffers, and attention
-  reads only each row's valid slots (:func:`vlmspec.targets.ragged.attend_rows`).
+  reads only each row's valid slots (:func:`vlmspec.targets.ragged.attend_rows`);
+* where every step of a layer is one of vlmspec's kernels (no q/k norms, the kernel's
+  RMSNorm, RoPE and attention, every linear on the kernel backend, SiLU: Qwen2-VL and
+  Qwen2.5-VL on an x86 CPU with the kernel built), all the layers run in one native call
+  (:func:`vlmspec.kernels.cpu_kernels.decoder_layers`): the same kernels in the same order,
+  so the same logits, features and KV bit for bit, without the dozen Python-level calls a
+  layer costs (:attr:`PackedDecoder.native`, decided once when packing). Everything else
+  (Qwen3-VL, other CPUs, more than ``MAX_ROWS`` tokens) runs the Python loop.
 
 It computes what transformers computes up to float rounding (the products sum in another
 order): greedy outputs agree except at numerical ties, which the benchmarks count. The
@@ -38,10 +45,11 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from vlmspec.kernels.cpu_kernels import kernel_applies, rms_norm, rope_write
-from vlmspec.kernels.linear import fused_linear
+from vlmspec.kernels.cpu_kernels import MAX_ROWS, decoder_layers, kernel_applies, rms_norm, rope_write
+from vlmspec.kernels.linear import PackedLinear, fused_linear
 
 
 class KVSlots(Protocol):
@@ -99,7 +107,12 @@ class _Layer:
 
 
 class PackedDecoder:
-    """The target's text decoder for packed decode/verify tokens (see the module docstring)."""
+    """The target's text decoder for packed decode/verify tokens (see the module docstring).
+
+    ``native`` holds the one-call layer loop where it applies (decided here, when packing),
+    else None; a caller that sets it to None gets the Python loop, the reference the tests
+    and ``benchmarks/target_step.py`` compare it with.
+    """
 
     def __init__(self, model: nn.Module) -> None:
         text = model.model.language_model
@@ -125,6 +138,8 @@ class PackedDecoder:
         self.scaling = self.head_dim**-0.5
         # The one-call RoPE + KV write reproduces the eager roundings; it needs the kernel here.
         self.fused_rope = kernel_applies(self.embed.weight)
+        # All layers in one native call where the kernels cover every step, else None: the Python loop.
+        self.native = _native_layers(self) if self.fused_rope else None
 
     def matches(self) -> bool:
         """Whether the model's weights are still the ones packed (same storage, unmodified since).
@@ -156,11 +171,26 @@ class PackedDecoder:
         """Logits (and hooked decoder-layer outputs) of the packed tokens; writes their K/V into ``kv``.
 
         A prefill wants only each prompt's last prediction: ``logits_at`` keeps the LM head
-        (the largest linear) off the other tokens.
+        (the largest linear) off the other tokens. The native loop does not call ``attend``:
+        it runs :func:`~vlmspec.kernels.cpu_kernels.decode_attention` with each token seeing
+        its row's slots up to its own, which is the runner's ``attend`` wherever it applies.
         """
-        n = ids.shape[0]
         hidden = self.embed(ids)  # [B, d]
         cos, sin = self._rotary(positions, hidden.dtype)
+        if self.native is not None and ids.shape[0] <= MAX_ROWS:  # past MAX_ROWS the linears are ATen's GEMM
+            hidden, captured = self.native(hidden, cos[:, 0], sin[:, 0], kv, feature_layers)
+        else:
+            hidden, captured = self._python_layers(hidden, cos, sin, kv, attend, feature_layers)
+        last = hidden if logits_at is None else hidden[logits_at]
+        logits = self.head(self.norm(last)).float()
+        features = torch.cat(captured, dim=-1) if feature_layers else None
+        return logits, features
+
+    def _python_layers(
+        self, hidden, cos, sin, kv: KVSlots, attend, feature_layers: Sequence[int]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # hidden [B, d] -> [B, d], one [B, d] per feature layer
+        """The decoder layers one Python-level call at a time (every case; the native loop's reference)."""
+        n = hidden.shape[0]
         captured = {}
         for index, layer in enumerate(self.layers):
             x = layer.input_norm(hidden)
@@ -176,10 +206,7 @@ class PackedDecoder:
             hidden = hidden + layer.down(layer.act(gate) * up)
             if index in feature_layers:
                 captured[index] = hidden
-        last = hidden if logits_at is None else hidden[logits_at]
-        logits = self.head(self.norm(last)).float()
-        features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
-        return logits, features
+        return hidden, [captured[i] for i in feature_layers]
 
     def _attention_eager(self, index: int, layer: _Layer, qkv, cos, sin, kv: KVSlots, attend) -> torch.Tensor:
         """RoPE, the K/V write and attention as tensor ops (Qwen3-VL's q/k norms; CPUs without the kernel)."""
@@ -212,3 +239,75 @@ class PackedDecoder:
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:  # x: [B, heads, hd]
     """transformers' ``x * cos + rotate_half(x) * sin``, with rotate_half's negation folded into the sin."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+class _NativeLayers:
+    """Every decoder layer in one call to :func:`decoder_layers`, over the layers' weights flattened once.
+
+    The weights are those the kernel backend prepared (:class:`PackedLinear`'s packed or
+    stored copies, the norms' weights), in the order ``cpu_step.cpp`` reads them.
+    """
+
+    def __init__(self, layers: Sequence[_Layer], heads: int, scaling: float, eps: float) -> None:
+        self.weights = [tensor for layer in layers for tensor in _flat_weights(layer)]
+        self.out_features = [linear.out_features for layer in layers for linear in _linears(layer)]
+        self.heads, self.scaling, self.eps, self.num_layers = heads, scaling, eps, len(layers)
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,  # [B, d]
+        cos: torch.Tensor,  # [B, hd]
+        signed_sin: torch.Tensor,  # [B, hd]
+        kv: KVSlots,
+        feature_layers: Sequence[int],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # hidden [B, d] after the last layer, one [B, d] per feature layer
+        buffers = [kv.buffers(index) for index in range(self.num_layers)]
+        keys, values = [k for k, _ in buffers], [v for _, v in buffers]
+        out = decoder_layers(
+            hidden, cos, signed_sin, self.weights, self.out_features, keys, values, kv.rows, kv.slots,
+            self.heads, self.eps, self.scaling, list(feature_layers),
+        )  # fmt: skip
+        return out[0], out[1:]
+
+
+def _native_layers(decoder: PackedDecoder) -> _NativeLayers | None:
+    """The one-call layer loop where every step of every layer is a kernel call, else None (the Python loop).
+
+    The conditions are exactly those under which the Python loop makes only kernel calls
+    (plus ATen's elementwise ones), so the two compute the same thing.
+    """
+    layers = decoder.layers
+    norms = [norm for layer in layers for norm in (layer.input_norm, layer.post_norm)]
+    if not all(_is_kernel_norm(norm) for norm in norms) or len({norm.keywords["eps"] for norm in norms}) != 1:
+        return None
+    if any(layer.q_norm is not None for layer in layers):  # Qwen3-VL: per-head norms between q/k/v and RoPE
+        return None
+    if any(linear.backend not in ("packed", "kernel") for layer in layers for linear in _linears(layer)):
+        return None
+    if decoder.head_dim % 8 or not all(_is_silu(layer.act, decoder.embed.weight.dtype) for layer in layers):
+        return None  # decode_attention reads a head 8 lanes at a time
+    return _NativeLayers(layers, decoder.heads, decoder.scaling, norms[0].keywords["eps"])
+
+
+def _linears(layer: _Layer) -> tuple[PackedLinear, ...]:
+    return layer.qkv, layer.out, layer.gate_up, layer.down
+
+
+def _flat_weights(layer: _Layer) -> list[torch.Tensor | None]:
+    """One layer's tensors in cpu_step.cpp's WeightSlot order."""
+    qkv, out, gate_up, down = _linears(layer)
+    return [
+        layer.input_norm.keywords["weight"], qkv.weight, qkv.bias, out.weight, out.bias,
+        layer.post_norm.keywords["weight"], gate_up.weight, gate_up.bias, down.weight, down.bias,
+    ]  # fmt: skip
+
+
+def _is_kernel_norm(norm: Callable) -> bool:
+    """Whether :func:`fast_norm` chose the kernel's RMSNorm (else the module runs its own forward)."""
+    return isinstance(norm, functools.partial) and norm.func is rms_norm
+
+
+def _is_silu(act: Callable, dtype: torch.dtype) -> bool:
+    """Whether the MLP's activation computes ``F.silu``, which the native loop calls (checked on a probe)."""
+    probe = torch.randn(64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    return torch.equal(act(probe), F.silu(probe))

@@ -1,0 +1,147 @@
+"""The native layer loop (every decoder layer in one call) against the Python loop over the same kernels.
+
+Both make the same kernel calls in the same order (the native one from C++), so logits,
+features and KV writes must be equal bit for bit, not merely close: ``torch.equal``
+throughout. Covered for both families that take the native loop, float32 and bfloat16,
+both kernel forms (AVX-512 where this CPU has it, and AVX2), and ragged batches of one
+and of several tokens per row. Qwen3-VL (per-head q/k norms) keeps the Python loop.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlmspec import SpecEngine
+from vlmspec.drafters.prompt_lookup import PromptLookup
+from vlmspec.kernels import cpu_kernels
+from vlmspec.targets.packed import PackedDecoder
+
+NATIVE_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+FEATURE_LAYERS = (2, 0)  # out of order on purpose: features come back in the order asked for
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@pytest.fixture(autouse=True)
+def kernel():
+    if not cpu_kernels.kernel_available():
+        pytest.skip("the native layer loop needs vlmspec's CPU kernel (x86 with AVX2 and a C++ compiler)")
+
+
+@pytest.fixture(params=["native", "avx2"])
+def isa(request, monkeypatch):
+    """The kernel's forms: whatever this CPU runs (packed AVX-512 weights here), and AVX2 (weights as stored)."""
+    if request.param == "avx2":
+        if not cpu_kernels.cpu_has_avx512():
+            pytest.skip("AVX2 is this CPU's only form: covered by 'native'")
+        monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx2")  # read at packing and at every kernel call
+    return request.param
+
+
+class Slots:
+    """A ragged batch's KV buffers and each packed token's row and slot (the decoder's KVSlots)."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], rows, slots) -> None:
+        self.keys, self.values = keys, values
+        self.rows, self.slots = rows, slots  # [B] int64 each
+
+    def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[layer], self.values[layer]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys[layer][self.rows, :, self.slots] = k
+        self.values[layer][self.rows, :, self.slots] = v
+        return self.buffers(layer)
+
+
+def target_of(make_target, family: str, dtype: torch.dtype):
+    return make_target(family) if dtype == torch.float32 else make_target(family, dtype=dtype)
+
+
+def random_buffers(decoder: PackedDecoder, rows: int, capacity: int, dtype: torch.dtype, seed: int):
+    """Finite random keys and values in every slot, so that a wrong slot or row shows in the result."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (rows, decoder.kv_heads, capacity, decoder.head_dim)
+    return [torch.randn(shape, generator=generator).to(dtype) for _ in decoder.layers]
+
+
+def packed_step(decoder: PackedDecoder, per_row: list[int], dtype: torch.dtype):
+    """One packed forward over rows with committed lengths 5, 0, 9: logits, features and the KV buffers after it."""
+    lengths = torch.tensor([5, 0, 9])
+    keys = random_buffers(decoder, 3, 16, dtype, seed=1)
+    values = random_buffers(decoder, 3, 16, dtype, seed=2)
+    counts = torch.tensor(per_row)
+    rows = torch.repeat_interleave(torch.arange(3), counts)  # [B]
+    offsets = torch.arange(rows.numel()) - (torch.cumsum(counts, 0) - counts)[rows]
+    slots = lengths[rows] + offsets  # [B]
+    ids = torch.randint(0, 5000, (rows.numel(),), generator=torch.Generator().manual_seed(3))
+    positions = slots + torch.tensor([0, 7, 2])[rows]  # rope deltas differ per row, as after an image
+    visible = slots + 1
+
+    def attend(q, k, v, scaling):  # the runner's attention wherever the kernel applies
+        return cpu_kernels.decode_attention(q, k, v, rows, visible, scaling)
+
+    before = [k.clone() for k in keys]
+    logits, features = decoder(ids, positions, Slots(keys, values, rows, slots), attend, FEATURE_LAYERS)
+    return logits, features, keys, values, before, (rows, slots)
+
+
+@pytest.mark.parametrize("family", NATIVE_FAMILIES)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("per_row", [[1, 1, 1], [3, 1, 4]], ids=["one-token-rows", "ragged-rows"])
+def test_native_loop_equals_the_python_loop_bit_for_bit(make_target, family, dtype, per_row, isa):
+    target = target_of(make_target, family, dtype)
+    native, python = PackedDecoder(target.model), PackedDecoder(target.model)
+    assert native.native is not None, "this family should take the native loop on this machine"
+    assert native.layers[0].qkv.backend in (("kernel",) if isa == "avx2" else ("packed", "kernel"))
+    python.native = None
+    logits, features, keys, values, before, (rows, slots) = packed_step(native, per_row, dtype)
+    expected_logits, expected_features, expected_keys, expected_values, _, _ = packed_step(python, per_row, dtype)
+    assert logits.dtype == torch.float32 and features.shape == (
+        sum(per_row),
+        2 * target.model.config.get_text_config().hidden_size,
+    )
+    assert torch.equal(logits, expected_logits)
+    assert torch.equal(features, expected_features)
+    for layer in range(len(keys)):
+        assert torch.equal(keys[layer], expected_keys[layer]) and torch.equal(values[layer], expected_values[layer])
+    written = torch.zeros(keys[0].shape[0], keys[0].shape[2], dtype=torch.bool)  # [R, S]
+    written[rows, slots] = True
+    changed = (keys[0] != before[0]).any(dim=-1).any(dim=1)  # [R, S]: slots whose keys the step rewrote
+    assert torch.equal(changed, written)  # the new keys landed in their slots, and nowhere else
+
+
+def test_qwen3_vl_keeps_the_python_loop_and_the_others_take_the_native_one(make_target):
+    assert make_target("qwen3_vl").packed_decoder().native is None  # per-head q/k norms sit between qkv and RoPE
+    for family in NATIVE_FAMILIES:
+        assert make_target(family).packed_decoder().native is not None
+
+
+def test_without_the_kernel_there_is_no_native_loop(make_target, monkeypatch):
+    monkeypatch.setenv(cpu_kernels.KERNEL_ENV, "0")
+    cpu_kernels.kernel_available.cache_clear()
+    try:
+        decoder = PackedDecoder(make_target("qwen2_vl").model)
+        assert decoder.native is None and decoder.backend in ("onednn", "aten")
+    finally:
+        monkeypatch.delenv(cpu_kernels.KERNEL_ENV)
+        cpu_kernels.kernel_available.cache_clear()
+
+
+@pytest.mark.parametrize("family", NATIVE_FAMILIES)
+def test_greedy_speculation_is_the_target_alone_and_the_python_loop_token_for_token(make_target, family, astronaut):
+    target = target_of(make_target, family, torch.bfloat16)
+    engine = SpecEngine(target, PromptLookup(max_draft_tokens=4))
+    picture = astronaut.resize((64, 64))
+    prompt = "Repeat after me: one two three four five. Repeat after me: one two three four five."
+    decoder = target.packed_decoder()
+    assert decoder.native is not None
+    native = engine.generate(picture, prompt, max_new_tokens=20)
+    alone = engine.generate(picture, prompt, max_new_tokens=20, speculative=False)
+    loop, decoder.native = decoder.native, None
+    try:
+        python = engine.generate(picture, prompt, max_new_tokens=20)
+    finally:
+        decoder.native = loop
+    assert target.packed_decoder() is decoder  # the same packed weights ran both loops
+    assert native.token_ids == alone.token_ids == python.token_ids
