@@ -105,3 +105,28 @@ def test_a_norm_with_other_arithmetic_keeps_its_own_forward():
     assert fast_norm(offset) is offset and fast_norm(layer_norm) is layer_norm
     x = torch.randn(2, 32)
     torch.testing.assert_close(fast_norm(plain)(x), plain(x), rtol=1e-6, atol=1e-6)
+
+
+def tiny_qwen3_vl_moe():
+    """A random Qwen3-VL-MoE model (4 experts, every layer sparse) on the tiny Qwen3-VL shape."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    from vlmspec.targets.tiny import tiny_config, tiny_processor
+
+    dense = tiny_config("qwen3_vl")
+    text = {**dense.text_config.to_dict(), "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    ids = {name: getattr(dense, name) for name in ("image_token_id", "video_token_id", "vision_start_token_id")}
+    config = Qwen3VLMoeConfig(text_config=text, vision_config=dense.vision_config.to_dict(), **ids)
+    torch.manual_seed(0)
+    return Qwen3VLMoeForConditionalGeneration(config).eval(), tiny_processor("qwen3_vl")
+
+
+def test_a_mixture_of_experts_target_is_refused_by_the_fast_path_and_runs_in_reference_mode():
+    model, processor = tiny_qwen3_vl_moe()
+    with pytest.raises(ValueError, match="decode='reference'") as refusal:
+        QwenVLTarget(model, processor)
+    assert "mixture of experts" in str(refusal.value)
+    engine = SpecEngine(QwenVLTarget(model, processor, decode="reference"), PromptLookup())
+    spec = engine.generate(None, "Hello, world", max_new_tokens=8)
+    alone = engine.generate(None, "Hello, world", max_new_tokens=8, speculative=False)
+    assert spec.token_ids == alone.token_ids and len(alone.token_ids) > 0

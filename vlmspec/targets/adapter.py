@@ -28,6 +28,7 @@ from vlmspec.targets.inputs import (
     count_image_slots,
     load_images,
 )
+from vlmspec.targets.packed import check_fast_path
 from vlmspec.targets.positions import DEFAULT_POSITION_RULE, check_position_rule, text_stream_positions
 from vlmspec.targets.processor import load_processor
 from vlmspec.types import PrefillOutput
@@ -95,6 +96,8 @@ class QwenVLTarget:
         forward_parameters = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_parameters else "past_key_values"
         self.decode = check_decode_mode(decode)
+        if self.decode == "fast":
+            check_fast_path(model)  # refused now, naming decode="reference", not at the first step
         self._packed = None  # the PackedDecoder, built on the first fast forward
         self._image_token_ids = {
             getattr(model.config, "image_token_id", None),

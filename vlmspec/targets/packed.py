@@ -106,6 +106,30 @@ class _Layer:
         self.split = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
 
 
+def check_fast_path(model: nn.Module) -> None:
+    """Raise ValueError, naming ``decode='reference'``, where this forward cannot compute ``model``'s.
+
+    The target checks it when it is loaded with ``decode='fast'``, so an unsupported model
+    (default RoPE only; dense gated MLPs only, not Qwen3-VL-MoE's experts) is refused at
+    once rather than at its first decode step.
+    """
+    text = model.model.language_model
+    rope = text.config.rope_parameters or {}
+    if rope.get("rope_type", "default") != "default":
+        problem = f"it implements default RoPE, not {rope.get('rope_type')!r}"
+    elif any(not all(hasattr(layer.mlp, name) for name in _DENSE_MLP) for layer in text.layers):
+        sparse = next(layer.mlp for layer in text.layers if not all(hasattr(layer.mlp, n) for n in _DENSE_MLP))
+        problem = (
+            f"it runs dense gated MLPs ({', '.join(_DENSE_MLP)}), not {type(sparse).__name__} (mixture of experts)"
+        )
+    else:
+        return
+    raise ValueError(f"the fast decode path cannot run this target: {problem}; load it with decode='reference'")
+
+
+_DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
 class PackedDecoder:
     """The target's text decoder for packed decode/verify tokens (see the module docstring).
 
@@ -115,14 +139,9 @@ class PackedDecoder:
     """
 
     def __init__(self, model: nn.Module) -> None:
+        check_fast_path(model)
         text = model.model.language_model
         config = text.config
-        rope = config.rope_parameters or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(
-                f"the fast decode path implements default RoPE, not {rope.get('rope_type')!r}; "
-                "load the target with decode='reference'"
-            )
         # The packed weights are copies: remember what they were copied from, so that a weight
         # changed in place (loading, fine-tuning) or moved is noticed (see `matches`).
         self._sources = [*text.parameters(), *model.get_output_embeddings().parameters()]  # not the vision tower
