@@ -106,6 +106,42 @@ def test_decode_attention_matches_sdpa_over_each_rows_visible_slots(dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", ["native", "avx2"])  # native: the AVX512-BF16 form where the CPU has it
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 14, 2), (32, 7, 1), (40, 4, 2)])
+def test_decode_attention_gives_a_token_the_same_result_alone_and_in_a_verify(
+    isa, head_dim, heads, kv_heads, monkeypatch
+):
+    # Speculation is lossless only if a token's attention does not depend on the tokens beside it:
+    # a one-token step and an 8-token verify split their work differently (heads alone, or up to
+    # three heads of a KV head together) but must compute every head alike. And SDPA's values.
+    if isa == "avx2":
+        monkeypatch.setenv("VLMSPEC_CPU_ISA", "avx2")
+    generator = torch.Generator().manual_seed(head_dim)
+    slots = 300
+    keys = torch.randn(2, kv_heads, slots, head_dim, generator=generator).bfloat16()
+    values = torch.randn(2, kv_heads, slots, head_dim, generator=generator).bfloat16()
+    query = (torch.randn(8, heads, head_dim, generator=generator) * 2).bfloat16()
+    rows = torch.tensor([1] * 7 + [0])
+    visible = torch.tensor([257, 258, 259, 260, 261, 262, 263, 17])
+    scaling = head_dim**-0.5
+    together = cpu_kernels.decode_attention(query, keys, values, rows, visible, scaling)
+    assert together.dtype == torch.bfloat16 and together.shape == query.shape
+    for b in range(8):
+        alone = cpu_kernels.decode_attention(
+            query[b : b + 1], keys, values, rows[b : b + 1], visible[b : b + 1], scaling
+        )
+        assert torch.equal(alone[0], together[b])
+        n, group = int(visible[b]), heads // kv_heads
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query[b, :, None].double(),
+            keys[rows[b], :, :n].double().repeat_interleave(group, dim=0),
+            values[rows[b], :, :n].double().repeat_interleave(group, dim=0),
+            scale=scaling,
+        )[:, 0]
+        torch.testing.assert_close(together[b].double(), expected, atol=1e-2, rtol=1e-2)
+
+
+@needs_kernel
 def test_decode_attention_refuses_a_row_outside_the_buffer():
     keys = torch.zeros(1, 1, 4, 8)
     with pytest.raises(RuntimeError, match="out of range"):
@@ -176,7 +212,49 @@ def test_packed_linear_computes_x_times_w_transposed_plus_bias(dtype, rows):
 
 
 @needs_packing
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_computes_each_row_as_it_would_alone_with_a_float32_bias(dtype):
+    # Tiles of 1-8 rows and 1-4 blocks, split over the threads by blocks: a row's outputs are the
+    # same fused multiply-adds whatever else is in the call (a decode and a verify agree bit for bit).
+    if dtype == torch.bfloat16 and cpu_kernels.kernel_isa() != "avx512_bf16":
+        pytest.skip("bfloat16 packing needs AVX512-BF16")
+    generator = torch.Generator().manual_seed(5)
+    for n, k in ((960, 576), (36 * 16 + 5, 64), (49, 1536)):
+        weight = torch.randn(n, k, generator=generator).to(dtype)
+        bias = torch.randn(n, generator=generator)  # float32 whatever the activations are
+        packed = cpu_kernels.pack_weight(weight)
+        x = torch.randn(11, k, generator=generator).to(dtype)
+        together = cpu_kernels.packed_linear(x, packed, n, bias)
+        for m in range(11):
+            assert torch.equal(cpu_kernels.packed_linear(x[m : m + 1], packed, n, bias)[0], together[m])
+        sums = cpu_kernels.packed_linear(x, packed, n).float()  # bias added in float32, then rounded once
+        if dtype == torch.float32:
+            assert torch.equal(together, sums + bias)
+        expected = x.double() @ weight.double().T + bias.double()
+        tolerance = 1e-4 * k**0.5 if dtype == torch.float32 else 1e-2 * expected.abs().max().item()
+        torch.testing.assert_close(together.double(), expected, atol=tolerance, rtol=1e-2)
+
+
+@needs_packing
 def test_packed_linear_refuses_activations_of_another_dtype():
     packed = cpu_kernels.pack_weight(torch.randn(16, 8))
     with pytest.raises(RuntimeError, match="dtype"):
         cpu_kernels.packed_linear(torch.randn(1, 8).to(torch.bfloat16), packed, 16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inner", [1536, 13])  # 13: a tail shorter than the 8 lanes
+def test_silu_mul_is_silu_of_the_gate_times_up_to_the_dtypes_rounding(dtype, inner):
+    generator = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(5, 2 * inner, generator=generator) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([0.0, -0.0, 30.0, -30.0])  # zero, saturated sigmoid, a vanishing one
+    result = cpu_kernels.silu_mul(gate_up)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    exact = (gate.double() * torch.sigmoid(gate.double())).to(dtype).double() * up.double()
+    assert result.dtype == dtype and result.shape == (5, inner)
+    if dtype == torch.float32:  # float32 exp to a few ulp, then two roundings
+        torch.testing.assert_close(result.double(), exact, rtol=2e-6, atol=1e-30)
+    else:  # each of the two roundings may land one bfloat16 step away from the float64 value's
+        torch.testing.assert_close(result.double(), exact.to(dtype).double(), rtol=2 * 2**-8, atol=0)
+    assert torch.equal(result[1:], cpu_kernels.silu_mul(gate_up[1:]))  # a row does not depend on the others

@@ -46,12 +46,64 @@ inline __m256 load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
 
+// exp of 8 floats <= 0 (attention's scores minus their maximum; SiLU's -|x|), to about 2 ulp: Cody-Waite reduction
+// to r in [-ln2/2, ln2/2], Cephes' degree-6 polynomial for exp(r), times 2^n. Below -87 the
+// result is flushed to 0, where float32 exp would be denormal or 0 anyway.
+inline __m256 exp8(__m256 x) {
+  const __m256 floor_x = _mm256_set1_ps(-87.0f);
+  const __m256 underflow = _mm256_cmp_ps(x, floor_x, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, floor_x);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(scale)));
+}
+
+// x rounded to bfloat16 and widened back: round to nearest even, NaN to the quiet NaN 0x7FC0, exactly as
+// c10::BFloat16's constructor and ATen's vectorised conversions round (no flush of subnormals, unlike
+// vcvtneps2bf16). For float32 there is nothing to round.
+inline __m256 round_as(const float*, __m256 x) { return x; }
+inline __m256 round_as(const uint16_t*, __m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7FFF));
+  const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(bits, bias), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __m256 is_nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  return _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), is_nan);
+}
+
+// One value: rounded as round_as rounds (float32: unchanged), and stored in T's format.
+inline float round_one(const float*, float v) { return v; }
+inline float round_one(const uint16_t*, float v) { return static_cast<float>(c10::BFloat16(v)); }
+inline float from_float(const float*, float v) { return v; }
+inline uint16_t from_float(const uint16_t*, float v) { return c10::BFloat16(v).x; }
+
+// Store 8 values already rounded by round_as (bfloat16: their top halves).
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) {
+  const __m256i top = _mm256_srli_epi32(_mm256_castps_si256(v), 16);  // < 2^16: packus does not saturate
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
 // The linears' operators (cpu_linear.cpp), registered in cpu_kernels.cpp.
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 std::string kernel_isa();
 at::Tensor pack_weight(const at::Tensor& weight);
 at::Tensor packed_linear_op(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                             const std::optional<at::Tensor>& bias);
+
+// Whether AVX512-BF16 kernels may run here (cpu_linear.cpp; false under VLMSPEC_CPU_ISA=avx2).
+bool cpu_has_avx512_bf16();
 
 // Norm, RoPE + KV write and attention (cpu_kernels.cpp), also called by the layer loop (cpu_step.cpp).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

@@ -21,15 +21,20 @@ model's own weight tensors, so it needs no packed copy.
 
 On CPUs with AVX-512 the linears take a 512-bit form chosen at run time, and bfloat16
 weights times bfloat16 activations use AVX512-BF16's dot product (``vdpbf16ps``, exact
-products summed in float32). On the 2-core AVX-512 EPYC, a pass over every linear of the
-reference target in bfloat16 reads at 39 GB/s for one row (AVX2 form: 32), and an 8-row
-tile of 3 weight rows by 8 activation rows keeps a verify near the memory bound on all but
-the LM head. ``VLMSPEC_CPU_ISA=avx2`` holds such a CPU to the AVX2 form (tests, A/B timings).
+products summed in float32) over a packed copy of each weight (16 outputs per vector,
+k-major), kept on 2 MB pages and written straight in the activations' dtype. On the 2-core
+AVX-512 EPYC, a pass over every linear of the reference target in bfloat16 (outside
+Python) read at 31 GB/s for one row and 23 for eight from 4 KB pages, 39 and 29 from huge
+pages (best of 21 interleaved passes, a shared machine); an 8-row tile of 3 weight blocks by
+8 activation rows reads the weights once for a whole verify. ``VLMSPEC_CPU_ISA=avx2`` holds
+such a CPU to the AVX2 form (tests, A/B timings).
 
 :func:`decode_attention` attends a few new tokens per row over their row's KV buffer,
 where SDPA's CPU kernel spends 150-200 us a layer on one token and a few hundred keys.
-The reference target's step in bfloat16, one row, median of interleaved runs: 12.8 ms
-with it against 18.4 ms with SDPA for one token, 18.3 against 20.6 for 4, a tie at 8.
+It reads bfloat16 K/V as stored (``vdpbf16ps`` scores on AVX512-BF16), allocates nothing
+but its output and splits (token, head) tasks over the threads: the reference target's 30
+layers over 256 cached keys take about 0.3 ms for one token and 1.3 ms for eight (before:
+0.9 and 3.6 ms, best of a shared machine's runs).
 :func:`rope_write` rotates q and k and writes the new K/V in one call.
 :func:`decoder_layers` runs every decoder layer of a step in one call: these kernels, called
 from C++ in the Python loop's order (``cpu_step.cpp``; see :mod:`vlmspec.targets.packed`).
@@ -148,6 +153,11 @@ def rope_write(
 ) -> torch.Tensor:  # q [B, H, hd], rotated
     """RoPE on q and k (transformers' roundings) and the K/V write into the buffers, in one call."""
     return torch.ops.vlmspec.rope_write(qkv, cos, signed_sin, keys, values, rows, slots, heads)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [B, 2I] (gate, then up) -> [B, I]
+    """``silu(gate) * up`` in one call, rounded as the two tensor ops round (SiLU in float32, then x's dtype)."""
+    return torch.ops.vlmspec.silu_mul(gate_up)
 
 
 def decoder_layers(

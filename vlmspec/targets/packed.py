@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlmspec.kernels.cpu_kernels import MAX_ROWS, decoder_layers, kernel_applies, rms_norm, rope_write
+from vlmspec.kernels.cpu_kernels import MAX_ROWS, decoder_layers, kernel_applies, rms_norm, rope_write, silu_mul
 from vlmspec.kernels.linear import PackedLinear, fused_linear
 
 
@@ -100,6 +100,9 @@ class _Layer:
         self.gate_up = fused_linear(mlp.gate_proj, mlp.up_proj)
         self.down = fused_linear(mlp.down_proj)
         self.act = mlp.act_fn
+        # SiLU(gate) * up as one kernel call where the activation is SiLU (the native loop calls the same kernel).
+        weight = mlp.down_proj.weight
+        self.act_mul = silu_mul if kernel_applies(weight) and _is_silu(self.act, weight.dtype) else None
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3-VL: per head
         self.q_norm = None if q_norm is None else fast_norm(q_norm)
         self.k_norm = None if k_norm is None else fast_norm(k_norm)
@@ -221,8 +224,13 @@ class PackedDecoder:
             else:
                 attended = self._attention_eager(index, layer, qkv, cos, sin, kv, attend)
             hidden = hidden + layer.out(attended.reshape(n, -1))
-            gate, up = layer.gate_up(layer.post_norm(hidden)).chunk(2, dim=-1)
-            hidden = hidden + layer.down(layer.act(gate) * up)
+            gate_up = layer.gate_up(layer.post_norm(hidden))
+            if layer.act_mul is not None:
+                product = layer.act_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                product = layer.act(gate) * up
+            hidden = hidden + layer.down(product)
             if index in feature_layers:
                 captured[index] = hidden
         return hidden, [captured[i] for i in feature_layers]
@@ -303,8 +311,8 @@ def _native_layers(decoder: PackedDecoder) -> _NativeLayers | None:
         return None
     if any(linear.backend not in ("packed", "kernel") for layer in layers for linear in _linears(layer)):
         return None
-    if decoder.head_dim % 8 or not all(_is_silu(layer.act, decoder.embed.weight.dtype) for layer in layers):
-        return None  # decode_attention reads a head 8 lanes at a time
+    if decoder.head_dim % 8 or any(layer.act_mul is None for layer in layers):
+        return None  # decode_attention reads a head 8 lanes at a time; the loop calls silu_mul
     return _NativeLayers(layers, decoder.heads, decoder.scaling, norms[0].keywords["eps"])
 
 
