@@ -192,6 +192,24 @@ def test_prompt_lookup_and_the_target_alone_batched_are_lossless(make_target, as
     assert all(r.stats.tau == 1.0 for r in alone)
 
 
+def test_prefills_wait_for_the_token_budget_while_requests_run_and_outputs_stay_exact(make_target, astronaut, coffee):
+    target = make_target("qwen2_5_vl")
+    requests = request_list(astronaut, coffee)
+    expected = alone_outputs(target, requests)
+    engine = BatchEngine(target, scripted(target, requests, expected), max_prefill_tokens=1)
+    ids = [engine.add_request(**request) for request in requests]
+    first = engine.admit()  # nothing runs yet: nothing to stall, everything is admitted
+    assert len(first) == 5 and engine.num_waiting == 0
+    late = [engine.add_request(**request) for request in requests[:2]]
+    admitted_per_step = []
+    while engine.has_unfinished:
+        waiting = engine.num_waiting
+        engine.step()
+        admitted_per_step.append(waiting - engine.num_waiting)
+    assert admitted_per_step[:2] == [1, 1]  # requests were running: one prompt a step (each is past the budget)
+    assert [engine.result(i).token_ids for i in ids + late] == expected + expected[:2]
+
+
 def test_eos_and_stop_strings_end_requests_where_the_target_alone_ends(make_target):
     target = make_target("qwen3_vl")
     prompt = "Say something long and repetitive. " * 3
@@ -265,6 +283,34 @@ def test_bad_input_is_refused_and_running_requests_go_on(make_target, astronaut,
         engine.result("nobody")
     with pytest.raises(ValueError, match="max_batch_size"):
         BatchEngine(target, max_batch_size=0)
+
+
+def test_a_request_whose_images_fail_ends_alone_and_the_others_prefill_together(make_target, astronaut, coffee):
+    """Image and text prompts share one prefill forward; a vision-tower failure ends only its own request."""
+    target = make_target("qwen2_vl")
+    requests = request_list(astronaut, coffee)[:3]
+    expected = alone_outputs(target, requests)
+    engine = BatchEngine(target, scripted(target, requests, expected))
+    original, forwards = target.row_prompt, []
+
+    def row_prompt(inputs, position_rule=DEFAULT_POSITION_RULE):
+        if inputs.num_images == 2:
+            raise RuntimeError("injected vision failure")
+        return original(inputs, position_rule)
+
+    def prefill(prompts, batch_prefill=engine._batch.prefill):
+        forwards.append(len(prompts))
+        return batch_prefill(prompts)
+
+    target.row_prompt, engine._batch.prefill = row_prompt, prefill
+    try:
+        results = engine.generate_many(requests)
+    finally:
+        del target.row_prompt  # the session's target gets its own method back
+    assert results[2].finish_reason == "error" and "injected" in str(results[2].error)
+    assert [r.token_ids for r in results[:2]] == expected[:2]
+    assert forwards == [2]  # the image prompt and the text prompt in one forward
+    assert all(r.stats.prefill_s > 0 for r in results[:2])
 
 
 class FaultyDrafter(ScriptedDrafter):

@@ -130,3 +130,17 @@ def test_a_mixture_of_experts_target_is_refused_by_the_fast_path_and_runs_in_ref
     spec = engine.generate(None, "Hello, world", max_new_tokens=8)
     alone = engine.generate(None, "Hello, world", max_new_tokens=8, speculative=False)
     assert spec.token_ids == alone.token_ids and len(alone.token_ids) > 0
+
+
+def test_a_mixture_of_experts_image_prompt_prefills_in_reference_mode_as_transformers_does(astronaut):
+    """decode="reference" runs the runner's image prefill through transformers' own text model (deepstack too)."""
+    model, processor = tiny_qwen3_vl_moe()
+    target = QwenVLTarget(model, processor, decode="reference")
+    inputs = target.build_inputs(astronaut.resize((64, 64)), "What is it?")
+    step = RaggedBatch(target, feature_layers=LAYERS).prefill([target.row_prompt(inputs)])[0]
+    _, single = target.prefill(inputs, feature_layers=LAYERS)
+    torch.testing.assert_close(step.logits, single.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(step.features, single.features, atol=1e-5, rtol=1e-5)
+    engine = SpecEngine(target, PromptLookup())
+    spec = engine.generate(astronaut.resize((64, 64)), "What is it?", max_new_tokens=8).token_ids
+    assert spec == target.generate_greedy(inputs, 8)

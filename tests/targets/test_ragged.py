@@ -160,3 +160,82 @@ def test_a_failed_prefill_adds_no_row(make_target):
     with pytest.raises(ValueError, match="at least one token"):
         batch.prefill([torch.tensor([], dtype=torch.long)])
     assert batch.prefill([]) == [] and batch.num_rows == 0
+
+
+def image_prompts(target, astronaut, coffee):
+    return [
+        target.build_inputs(astronaut, "Describe it in detail."),
+        target.build_inputs(None, "Name three colours of the rainbow."),
+        target.build_inputs([astronaut.resize((64, 64)), coffee], "Compare the two pictures."),
+    ]
+
+
+@pytest.mark.parametrize("decode", ["fast", "reference"])
+def test_image_and_text_prompts_prefill_together_as_if_alone(make_target, family, astronaut, coffee, decode):
+    """RaggedBatch.prefill with images (vision tower, M-RoPE, deepstack) equals transformers' one-request prefill."""
+    target = make_target(family)
+    target.decode = decode
+    try:
+        inputs = image_prompts(target, astronaut, coffee)
+        batch = RaggedBatch(target, feature_layers=LAYERS)
+        batch.prefill([inputs[1].input_ids[0]])  # an earlier row, which the prefill forward must leave alone
+        steps = batch.prefill([target.row_prompt(x) for x in inputs])
+        alone = [target.prefill(x, feature_layers=LAYERS) for x in inputs]
+        assert batch.lengths.tolist() == [inputs[1].length] + [x.length for x in inputs]
+        assert batch.rope_deltas.tolist() == [0] + [state.rope_delta for state, _ in alone]
+        assert alone[0][0].rope_delta != 0 and alone[2][0].rope_delta != 0
+        for step, (_, single) in zip(steps, alone):
+            torch.testing.assert_close(step.logits, single.logits, atol=1e-4, rtol=1e-4)  # [1, V]: the last prediction
+            torch.testing.assert_close(step.features, single.features, atol=1e-4, rtol=1e-4)
+            assert torch.equal(step.positions, single.positions.cpu())  # the drafter's 1-D positions
+        # decoding goes on from the rows as from requests prefilled alone
+        states = [target.prefill(inputs[1], feature_layers=LAYERS)[0]] + [state for state, _ in alone]
+        tokens, num_tokens = torch.tensor([[7, 8], [9, 10], [11, 0], [12, 13]]), torch.tensor([2, 2, 1, 2])
+        check_rows(target, batch.verify(tokens, num_tokens), states, tokens, num_tokens, keep=num_tokens)
+    finally:
+        target.decode = "fast"
+
+
+def test_a_short_image_prefill_runs_the_native_layer_loop(make_target, astronaut):
+    """An image prompt of at most MAX_ROWS tokens takes the one-call layer loop where it applies, M-RoPE included."""
+    from vlmspec.kernels.cpu_kernels import MAX_ROWS
+
+    target = make_target("qwen2_5_vl")
+    inputs = target.build_inputs(astronaut.resize((64, 64)), "What is it?")
+    assert inputs.length <= MAX_ROWS
+    prompt = target.row_prompt(inputs)
+    _, single = target.prefill(inputs, feature_layers=LAYERS)
+    decoder = target.packed_decoder()
+    native = decoder.native
+    results = []
+    for loop in (native, None):  # the native loop if this machine has it, then the Python loop
+        decoder.native = loop
+        try:
+            results.append(RaggedBatch(target, feature_layers=LAYERS).prefill([prompt])[0])
+        finally:
+            decoder.native = native
+    for step in results:
+        torch.testing.assert_close(step.logits, single.logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(step.features, single.features, atol=1e-4, rtol=1e-4)
+    if native is not None:
+        assert torch.equal(results[0].logits, results[1].logits)  # the same kernels in the same order
+
+
+def test_qwen3_vl_deepstack_embeddings_reach_the_prefill(make_target, astronaut):
+    """Without its deepstack embeddings a Qwen3-VL image prefill differs: the test above checks them."""
+    import dataclasses
+
+    target = make_target("qwen3_vl")
+    prompt = target.row_prompt(target.build_inputs(astronaut.resize((64, 64)), "What is it?"))
+    assert len(prompt.vision.deepstack) == len(target.model.config.vision_config.deepstack_visual_indexes)
+    flat = dataclasses.replace(prompt, vision=dataclasses.replace(prompt.vision, deepstack=()))
+    with_deepstack, without = (RaggedBatch(target, feature_layers=LAYERS).prefill([p])[0] for p in (prompt, flat))
+    assert not torch.allclose(with_deepstack.logits, without.logits, atol=1e-4)
+
+
+def test_a_prompt_whose_images_do_not_match_its_placeholders_is_refused(make_target, astronaut):
+    target = make_target("qwen2_vl")
+    inputs = target.build_inputs(astronaut.resize((64, 64)), "What is it?")
+    inputs.model_kwargs["image_grid_thw"] = inputs.model_kwargs["image_grid_thw"] * torch.tensor([[1, 2, 1]])
+    with pytest.raises(ValueError, match="placeholder tokens"):
+        target.row_prompt(inputs)

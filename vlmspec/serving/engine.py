@@ -6,10 +6,9 @@ that verifies every request's anchor plus its scheduled drafts in one packed for
 Each :meth:`BatchEngine.step`:
 
 1. admits waiting requests while fewer than ``max_batch_size`` run and draws each one's
-   first token: the text-only ones in one packed forward of the runner that writes their
-   KV straight into new rows (:meth:`RaggedBatch.prefill`), each one with images on its
-   own, with the vision tower, before its KV joins the ragged batch
-   (:func:`vlmspec.serving.requests.prefill_request`);
+   first token: their images go through the vision tower (:meth:`QwenVLTarget.row_prompt`),
+   then all their prompts, text and images alike, run in one packed forward of the runner
+   that writes their KV straight into new rows (:meth:`RaggedBatch.prefill`);
 2. runs one step of the step API for all running requests: one drafter call
    (``decoder.propose``), one scheduler call on the [R, gamma] confidences
    (``decoder.plan``), one target forward (``RaggedBatch.verify``), ``decoder.verify``
@@ -54,33 +53,23 @@ import torch
 from vlmspec.drafters.base import Proposer
 from vlmspec.loading import load_proposer, load_target
 from vlmspec.scheduling.base import Scheduler
+from vlmspec.serving.admission import DEFAULT_MAX_PREFILL_TOKENS, admission_count
 from vlmspec.serving.requests import (
+    GeneratorStates,
+    StepOutput,
+    check_positive,
     context_room,
     end_at_context,
     new_request,
-    prefill_request,
-    start_text_request,
-    warn_if_context_cuts,
+    prepare_prompt,
+    start_request,
 )
 from vlmspec.serving.steps import SpecDecoder, SpecRequest, VerifyPlan
 from vlmspec.targets.adapter import QwenVLTarget, TargetStep
 from vlmspec.targets.inputs import ImageLike, TargetInputs
+from vlmspec.targets.prompts import RowPrompt
 from vlmspec.targets.ragged import RaggedBatch
-from vlmspec.types import DraftBlock, GenerationResult, RequestOptions, RoundRecord, VerifyResult
-
-
-@dataclass
-class StepOutput:
-    """What one request did in one :meth:`BatchEngine.step`."""
-
-    request_id: str
-    tokens: list[int]  # committed this step: the first token after its prefill, or a round's tokens
-    finish_reason: str | None  # set when the request ended in this step
-    record: RoundRecord | None  # the round's record (None for the prefill's first token and for failures)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+from vlmspec.types import DraftBlock, GenerationResult, RequestOptions, VerifyResult
 
 
 @dataclass
@@ -118,6 +107,8 @@ class BatchEngine:
 
     ``generate_many`` does the loop for a list of requests. Without a proposer the engine
     batches the target alone (one token per request per step) through the same code.
+    ``max_prefill_tokens`` bounds the prompt tokens one step prefills while requests run
+    (None: no bound), so prefills interleave with decode steps instead of stalling them.
     """
 
     def __init__(
@@ -128,16 +119,19 @@ class BatchEngine:
         *,
         max_batch_size: int = 32,
         speculate_up_to: int | None = None,
+        max_prefill_tokens: int | None = DEFAULT_MAX_PREFILL_TOKENS,
     ) -> None:
-        _check_positive("max_batch_size", max_batch_size)
-        if speculate_up_to is not None:
-            _check_positive("speculate_up_to", speculate_up_to)
+        check_positive("max_batch_size", max_batch_size)
+        for name, value in (("speculate_up_to", speculate_up_to), ("max_prefill_tokens", max_prefill_tokens)):
+            if value is not None:
+                check_positive(name, value)
         self.target = target
         self.decoder = SpecDecoder(proposer, scheduler, vocab_size=target.vocab_size)
         self.max_batch_size = max_batch_size
         # Draft only while at most this many requests run (None: always). Above it a step verifies the anchors
         # alone: on a compute-bound machine a big batch has no spare compute for drafts.
         self.speculate_up_to = speculate_up_to
+        self.max_prefill_tokens = max_prefill_tokens  # prompt tokens a step prefills while others decode
         self._batch = RaggedBatch(target, feature_layers=self.decoder.proposer.feature_layers)
         self._waiting: deque[_Entry] = deque()
         self._running: list[_Entry] = []  # _running[row] holds the request in ragged row `row`
@@ -153,6 +147,7 @@ class BatchEngine:
         scheduler: Scheduler | None = None,
         max_batch_size: int = 32,
         speculate_up_to: int | None = None,
+        max_prefill_tokens: int | None = DEFAULT_MAX_PREFILL_TOKENS,
         dtype: str | torch.dtype = "float32",
         attn_implementation: str = "sdpa",
         device: str | torch.device = "cpu",
@@ -166,7 +161,14 @@ class BatchEngine:
             target_dir, dtype=dtype, attn_implementation=attn_implementation, device=device, decode=decode
         )
         proposer = load_proposer(drafter, target)
-        return cls(target, proposer, scheduler, max_batch_size=max_batch_size, speculate_up_to=speculate_up_to)
+        return cls(
+            target,
+            proposer,
+            scheduler,
+            max_batch_size=max_batch_size,
+            speculate_up_to=speculate_up_to,
+            max_prefill_tokens=max_prefill_tokens,
+        )
 
     @property
     def proposer(self) -> Proposer:
@@ -280,22 +282,28 @@ class BatchEngine:
         return self.admit() + self.decode()
 
     def admit(self, limit: int | None = None) -> list[StepOutput]:
-        """Prefill up to ``limit`` waiting requests (default: as many as the batch has room for); their first tokens.
+        """Prefill up to ``limit`` waiting requests (default: as many as fit); their first tokens.
 
-        The text-only ones share one packed forward; a prompt with images is prefilled
-        alone. Requests start (draw their first token, open their drafter state) in the
-        order they were added.
+        While requests are running, the prompts admitted at once stay within
+        ``max_prefill_tokens`` (at least one is admitted): see :mod:`vlmspec.serving.admission`.
+
+        Their images go through the vision tower one request at a time, then all their
+        prompts share one packed forward of the runner. Requests start (draw their first
+        token, open their drafter state) in the order they were added.
         """
-        room = self.max_batch_size - len(self._running)
-        count = min(len(self._waiting), room if limit is None else min(limit, room))
-        entries = [self._waiting.popleft() for _ in range(max(count, 0))]
-        prefilled = self._prefill_text([entry for entry in entries if entry.inputs.num_images == 0])
+        count = admission_count(
+            [entry.prompt_tokens for entry in self._waiting],
+            room=self.max_batch_size - len(self._running),
+            limit=limit,
+            max_prefill_tokens=self.max_prefill_tokens,
+            running=len(self._running),
+        )
+        entries = [self._waiting.popleft() for _ in range(count)]
+        prefilled = self._prefill(entries)
         for entry in entries:
-            if entry.inputs.num_images:
-                self._prefill_alone(entry)
-            elif entry.request_id in prefilled:
-                prompt_step, seconds = prefilled[entry.request_id]
-                start_text_request(self.target, self.decoder, entry.request, entry.inputs, prompt_step, seconds)
+            if entry.request_id in prefilled:
+                prompt_step, rope_delta, seconds = prefilled[entry.request_id]
+                start_request(self.target, self.decoder, entry.request, entry.inputs, prompt_step, seconds, rope_delta)
             entry.inputs = None  # the processor outputs (pixels) are not needed any more
         outputs = [StepOutput(e.request_id, list(e.request.tokens), e.request.finish_reason, None) for e in entries]
         self._retire()  # a request can end with its first token
@@ -306,46 +314,43 @@ class BatchEngine:
         admitted = self.admit(limit=1)
         return admitted[0] if admitted else None
 
-    def _prefill_text(self, entries: list[_Entry]) -> dict[str, tuple[TargetStep, float]]:
-        """Text-only prompts in one runner forward (new rows, joined to ``_running`` in order): each one's step.
+    def _prefill(self, entries: list[_Entry]) -> dict[str, tuple[TargetStep, int, float]]:
+        """Prompts in one runner forward (new rows, joined to ``_running`` in order): each one's step, rope_delta, time.
 
-        If the shared forward fails, each prompt runs alone, so a failure stays with its request.
+        A request's prefill time is its own vision tower's plus the shared forward's. A prompt
+        whose images fail ends its request; if the shared forward fails, each prompt runs
+        alone, so a failure stays with its request.
         """
+        prompts: dict[str, tuple[RowPrompt, float]] = {}  # each request's prompt and its vision tower's seconds
+        for entry in entries:
+            try:
+                prompts[entry.request_id] = prepare_prompt(self.target, self.decoder, entry.request, entry.inputs)
+            except Exception as err:  # noqa: BLE001 - only this request's images failed
+                entry.request.finish("error", err)
+                self._store(entry)
+        entries = [entry for entry in entries if entry.request_id in prompts]
         if not entries:
             return {}
         try:
-            return self._prefill_rows(entries)
+            return self._prefill_rows(entries, prompts)
         except Exception:  # noqa: BLE001 - the shared forward failed (no row was added): find whose prompt it was
             prefilled = {}
             for entry in entries:
                 try:
-                    prefilled |= self._prefill_rows([entry])
+                    prefilled |= self._prefill_rows([entry], prompts)
                 except Exception as err:  # noqa: BLE001 - only this request's own prefill failed
                     entry.request.finish("error", err)
                     self._store(entry)
             return prefilled
 
-    def _prefill_rows(self, entries: list[_Entry]) -> dict[str, tuple[TargetStep, float]]:
-        for entry in entries:
-            warn_if_context_cuts(self.target, entry.request, entry.inputs.length)
+    def _prefill_rows(self, entries: list[_Entry], prompts: dict) -> dict[str, tuple[TargetStep, int, float]]:
+        rows = [prompts[entry.request_id] for entry in entries]  # (RowPrompt, vision seconds)
         tick = time.perf_counter()
-        steps = self._batch.prefill([entry.inputs.input_ids[0] for entry in entries])
+        steps = self._batch.prefill([prompt for prompt, _ in rows])
         seconds = time.perf_counter() - tick  # every request of the forward waited for all of it
         self._running += entries
-        return {entry.request_id: (step, seconds) for entry, step in zip(entries, steps, strict=True)}
-
-    def _prefill_alone(self, entry: _Entry) -> None:
-        """One request with images: the target's own prefill (vision tower, M-RoPE), then its KV joins a row."""
-        try:
-            state = prefill_request(self.target, self.decoder, entry.request, entry.inputs)
-            if entry.request.finished:  # its first token ended it
-                self._store(entry)
-                return
-            self._batch.add(state)
-            self._running.append(entry)
-        except Exception as err:  # noqa: BLE001 - only this request's own prefill failed
-            entry.request.finish("error", err)
-            self._store(entry)
+        prefilled = zip(entries, rows, steps, strict=True)
+        return {entry.request_id: (step, p.rope_delta, own + seconds) for entry, (p, own), step in prefilled}
 
     def decode(self) -> list[StepOutput]:
         """One speculative step for every running request (none: nothing); if it fails, once for each request alone.
@@ -357,7 +362,7 @@ class BatchEngine:
             return []
         rows = list(range(len(self._running)))
         requests = [entry.request for entry in self._running]
-        undrafted = _GeneratorStates(requests)
+        undrafted = GeneratorStates(requests)
         tick = time.perf_counter()
         try:
             drafting = self.speculate_up_to is None or len(requests) <= self.speculate_up_to
@@ -366,7 +371,7 @@ class BatchEngine:
             outputs = self._isolate(rows, None, undrafted, batch_error)
         else:
             draft_s = time.perf_counter() - tick
-            drafted = _GeneratorStates(requests)
+            drafted = GeneratorStates(requests)
             try:
                 verified = self._verify(rows, drafts, draft_s)
             except Exception as batch_error:  # noqa: BLE001 - nothing was committed: find the request that fails
@@ -377,7 +382,7 @@ class BatchEngine:
         return outputs
 
     def _isolate(
-        self, rows: list[int], drafts: DraftBlock | None, generators: _GeneratorStates, batch_error: Exception
+        self, rows: list[int], drafts: DraftBlock | None, generators: GeneratorStates, batch_error: Exception
     ) -> list[StepOutput]:
         """Rerun a failed compute phase request by request (with the drafts already made, if drafting succeeded).
 
@@ -413,7 +418,7 @@ class BatchEngine:
 
         Scheduling, one target forward, verification, and the rows' new KV lengths (set for
         all rows at once, or not at all). No request's output changes here, so it may be
-        rerun; sampled requests draw from their generators (see :class:`_GeneratorStates`).
+        rerun; sampled requests draw from their generators (see :class:`~vlmspec.serving.requests.GeneratorStates`).
         drafts: the proposer's block for exactly these requests ([len(rows), gamma]), made in ``draft_s`` seconds.
         """
         requests = [self._running[row].request for row in rows]
@@ -484,26 +489,3 @@ class BatchEngine:
         return request_id in self._results or any(
             e.request_id == request_id for e in itertools.chain(self._waiting, self._running)
         )
-
-
-class _GeneratorStates:
-    """The generator states of a step's sampled requests, to undo the draws of an attempt that failed.
-
-    A failed batched attempt may have drawn from some generators (a proposer that sampled
-    for a few requests, then raised; verification of one group of rows before another
-    failed). Restoring them before the rerun keeps each seeded request's sample the one it
-    gets alone. Greedy requests are skipped: no draw changes their output.
-    """
-
-    def __init__(self, requests: Sequence[SpecRequest]) -> None:
-        self._generators = [r.generator for r in requests]
-        self._states = [None if r.params.greedy else r.generator.get_state() for r in requests]  # by row
-
-    def restore(self, row: int) -> None:
-        if self._states[row] is not None:
-            self._generators[row].set_state(self._states[row])
-
-
-def _check_positive(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -1,15 +1,17 @@
-"""A request's life around the round, shared by every host: validated creation, prefill, the context's end."""
+"""A request's life around the round, shared by every host: validated creation, start after prefill, the context's end."""
 
 from __future__ import annotations
 
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from vlmspec.serving.steps import SpecDecoder, SpecRequest
-from vlmspec.targets.adapter import QwenVLTarget, RequestState, TargetStep, prefill_output
+from vlmspec.targets.adapter import QwenVLTarget, TargetStep, prefill_output
 from vlmspec.targets.inputs import ImageLike, TargetInputs
-from vlmspec.types import RequestOptions
+from vlmspec.targets.prompts import RowPrompt
+from vlmspec.types import RequestOptions, RoundRecord
 
 CONTEXT_FINISH = "context"  # the finish reason of a request the context window cut short (see end_at_context)
 
@@ -33,35 +35,36 @@ def new_request(
     return request, target.build_inputs(images, prompt, messages=messages)
 
 
-def prefill_request(
+def prepare_prompt(
     target: QwenVLTarget, decoder: SpecDecoder, request: SpecRequest, inputs: TargetInputs
-) -> RequestState:
-    """Run one request's prompt (with its images) through the target and start it: the first token is committed."""
+) -> tuple[RowPrompt, float]:
+    """A request's prompt for the runner's prefill (its images through the vision tower), and the seconds it took.
+
+    Warns first if the context, not ``max_new_tokens``, will end the answer.
+    """
     warn_if_context_cuts(target, request, inputs.length)
-    proposer = decoder.proposer
     tick = time.perf_counter()
-    state, step = target.prefill(inputs, feature_layers=proposer.feature_layers, position_rule=proposer.position_rule)
-    request.stats.prefill_s = time.perf_counter() - tick
-    decoder.start(request, prefill_output(inputs, step, state.rope_delta))
-    end_at_context(target, request, state.length)
-    return state
+    prompt = target.row_prompt(inputs, decoder.proposer.position_rule)  # the drafter's 1-D position rule
+    return prompt, time.perf_counter() - tick
 
 
-def start_text_request(
+def start_request(
     target: QwenVLTarget,
     decoder: SpecDecoder,
     request: SpecRequest,
     prompt: TargetInputs,
     step: TargetStep,
     prefill_s: float,
+    rope_delta: int = 0,
 ) -> None:
-    """Start a text-only request from its row's prefill (:meth:`RaggedBatch.prefill`): the first token is committed.
+    """Start a request from its row's prefill (:meth:`RaggedBatch.prefill`): the first token is committed.
 
-    A failure to start ends the request with "error"; its row stays until the host retires it.
+    ``step`` is the prefill's output for this prompt and ``rope_delta`` its row's (0 for
+    text). A failure to start ends the request with "error"; its row stays until the host retires it.
     """
     request.stats.prefill_s = prefill_s
     try:
-        decoder.start(request, prefill_output(prompt, step))  # text only: rope_delta 0
+        decoder.start(request, prefill_output(prompt, step, rope_delta))
     except Exception as err:  # noqa: BLE001 - only this request's start failed
         request.finish("error", err)
     end_at_context(target, request, prompt.length)
@@ -76,7 +79,7 @@ def warn_if_context_cuts(target: QwenVLTarget, request: SpecRequest, prompt_leng
             f"{request.max_new_tokens} in this model's {target.max_context}-token context: the answer will stop "
             "there with finish_reason 'context'. Shorten the prompt, use smaller images or lower max_new_tokens.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
@@ -93,3 +96,41 @@ def end_at_context(target: QwenVLTarget, request: SpecRequest, length: int) -> N
     """
     if not request.finished and length + 1 > target.max_context:
         request.finish(CONTEXT_FINISH)
+
+
+class GeneratorStates:
+    """The generator states of a step's sampled requests, to undo the draws of an attempt that failed.
+
+    A failed batched attempt may have drawn from some generators (a proposer that sampled
+    for a few requests, then raised; verification of one group of rows before another
+    failed). Restoring them before the rerun keeps each seeded request's sample the one it
+    gets alone. Greedy requests are skipped: no draw changes their output.
+    """
+
+    def __init__(self, requests: Sequence[SpecRequest]) -> None:
+        self._generators = [r.generator for r in requests]
+        self._states = [None if r.params.greedy else r.generator.get_state() for r in requests]  # by row
+
+    def restore(self, row: int) -> None:
+        if self._states[row] is not None:
+            self._generators[row].set_state(self._states[row])
+
+
+def check_positive(name: str, value: object) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is an integer >= 1 (a host's size settings)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass
+class StepOutput:
+    """What one request did in one :meth:`BatchEngine.step`."""
+
+    request_id: str
+    tokens: list[int]  # committed this step: the first token after its prefill, or a round's tokens
+    finish_reason: str | None  # set when the request ended in this step
+    record: RoundRecord | None  # the round's record (None for the prefill's first token and for failures)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

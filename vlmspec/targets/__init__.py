@@ -3,6 +3,7 @@
 from vlmspec.targets.adapter import QwenVLTarget, RequestState, TargetStep, prefill_output
 from vlmspec.targets.inputs import TargetInputs, load_image
 from vlmspec.targets.positions import DEFAULT_POSITION_RULE, POSITION_RULES, text_stream_positions
+from vlmspec.targets.prompts import RowPrompt
 from vlmspec.targets.ragged import RaggedBatch, RaggedStep
 
 __all__ = [
@@ -10,6 +11,7 @@ __all__ = [
     "prefill_output",
     "RaggedBatch",
     "RaggedStep",
+    "RowPrompt",
     "RequestState",
     "TargetStep",
     "TargetInputs",

@@ -1,10 +1,11 @@
-"""The target adapter: the only code in vlmspec that knows Hugging Face, Qwen-VL and M-RoPE.
+"""The target adapter: the face of vlmspec.targets, the only package that knows Hugging Face, Qwen-VL and M-RoPE.
 
 A :class:`QwenVLTarget` wraps one loaded model and its processor and is shared by all
 requests. Everything that belongs to a request (KV cache, ``rope_delta``, committed
 length, 1-D positions) lives in a :class:`RequestState`; the model's own
 ``rope_deltas`` attribute is never read or written, because every forward gets explicit
-position ids computed here.
+position ids computed here. Per-family facts live in :mod:`vlmspec.targets.families`;
+prompts for the runner's prefill (vision tower, M-RoPE positions) in :mod:`vlmspec.targets.prompts`.
 
 What it does not know: drafting, verification rules, scheduling.
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vlmspec.targets.families import SUPPORTED_MODEL_TYPES, family_spec, language_model
 from vlmspec.targets.inputs import (
     ImageLike,
     TargetInputs,
@@ -29,22 +31,24 @@ from vlmspec.targets.inputs import (
     load_images,
 )
 from vlmspec.targets.packed import check_fast_path
-from vlmspec.targets.positions import DEFAULT_POSITION_RULE, check_position_rule, text_stream_positions
+from vlmspec.targets.positions import DEFAULT_POSITION_RULE, check_position_rule
 from vlmspec.targets.processor import load_processor
+from vlmspec.targets.prompts import RowPrompt, drafter_positions, prompt_positions, row_prompt
+from vlmspec.targets.settings import DECODE_MODES, check_attention, check_decode_mode, resolve_dtype
 from vlmspec.types import PrefillOutput
 
-# model_type -> family name used across vlmspec
-SUPPORTED_MODEL_TYPES = {
-    "qwen2_vl": "qwen2_vl",
-    "qwen2_5_vl": "qwen2_5_vl",
-    "qwen3_vl": "qwen3_vl",
-    "qwen3_vl_moe": "qwen3_vl",
-}
-ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
-# How decode/verify forwards run: "fast" (vlmspec.targets.packed, fused linears over the CPU kernel) or
-# "reference" (transformers' own forward, the eager reference the fast one is tested against).
-DECODE_MODES = ("fast", "reference")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The helpers importers found here before they moved (settings, families, processor) stay importable from here.
+__all__ = [
+    "DECODE_MODES",
+    "SUPPORTED_MODEL_TYPES",
+    "QwenVLTarget",
+    "RequestState",
+    "TargetStep",
+    "check_decode_mode",
+    "load_processor",
+    "prefill_output",
+    "resolve_dtype",
+]
 
 
 @dataclass
@@ -78,20 +82,15 @@ class QwenVLTarget:
     """
 
     def __init__(self, model: nn.Module, processor, *, name: str | None = None, decode: str = "fast") -> None:
-        model_type = getattr(model.config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"vlmspec supports Qwen2-VL, Qwen2.5-VL and Qwen3-VL targets; got model_type {model_type!r} "
-                f"({type(model).__name__}). Load one of: {', '.join(SUPPORTED_MODEL_TYPES)}."
-            )
+        self.spec = family_spec(getattr(model.config, "model_type", None))  # what vlmspec knows of its family
         if not hasattr(processor, "apply_chat_template") or not hasattr(processor, "tokenizer"):
             raise TypeError("processor must be the model's transformers processor (AutoProcessor.from_pretrained(...))")
         self.model = model.eval()
         self.processor = processor
-        self.family = SUPPORTED_MODEL_TYPES[model_type]
+        self.family = self.spec.name
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self._text_config = model.config.get_text_config()
-        self._layers = model.model.language_model.layers
+        self._layers = language_model(model).layers
         # transformers 5.x renamed `past_key_values` to `cache`; accept both generations.
         forward_parameters = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_parameters else "past_key_values"
@@ -99,10 +98,6 @@ class QwenVLTarget:
         if self.decode == "fast":
             check_fast_path(model)  # refused now, naming decode="reference", not at the first step
         self._packed = None  # the PackedDecoder, built on the first fast forward
-        self._image_token_ids = {
-            getattr(model.config, "image_token_id", None),
-            getattr(model.config, "video_token_id", None),
-        } - {None}
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -129,15 +124,7 @@ class QwenVLTarget:
             raise ValueError(
                 f"{str(path)!r} holds a {config.model_type!r} model; vlmspec supports {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        if attn_implementation not in ATTENTION_IMPLEMENTATIONS:
-            raise ValueError(
-                f"attn_implementation must be one of {ATTENTION_IMPLEMENTATIONS}, got {attn_implementation!r}"
-            )
-        if attn_implementation == "flash_attention_2":
-            try:
-                import flash_attn  # noqa: F401
-            except ImportError as err:
-                raise ImportError("flash_attention_2 needs the gpu extra: pip install 'vlmspec[gpu]'") from err
+        check_attention(attn_implementation)
         model = AutoModelForImageTextToText.from_pretrained(
             path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, local_files_only=True
         ).to(device)
@@ -190,7 +177,7 @@ class QwenVLTarget:
 
     @property
     def final_norm(self) -> nn.Module:
-        return self.model.model.language_model.norm
+        return language_model(self.model).norm
 
     @property
     def vocab_size(self) -> int:
@@ -321,8 +308,8 @@ class QwenVLTarget:
 
         layers = self.check_feature_layers(feature_layers)
         check_position_rule(position_rule)
-        mrope, rope_delta = self._prompt_positions(inputs)
-        positions_1d = self._positions_1d(inputs, mrope, position_rule)
+        mrope, rope_delta = prompt_positions(self.model, inputs)
+        positions_1d = drafter_positions(self.model, inputs, mrope, position_rule)
         state = RequestState(
             cache=DynamicCache(config=self.model.config),
             rope_delta=rope_delta,
@@ -377,8 +364,8 @@ class QwenVLTarget:
         LM head) and positions [L].
         """
         layers = self.check_feature_layers(feature_layers)
-        mrope, _ = self._prompt_positions(inputs)
-        positions_1d = self._positions_1d(inputs, mrope, position_rule)
+        mrope, _ = prompt_positions(self.model, inputs)
+        positions_1d = drafter_positions(self.model, inputs, mrope, position_rule)
         kwargs = {k: v for k, v in inputs.model_kwargs.items() if k not in ("input_ids", "attention_mask")}
         with self._capture([*layers], final_norm=True) as captured:
             self.model(
@@ -394,8 +381,16 @@ class QwenVLTarget:
     def text_positions(self, inputs: TargetInputs, position_rule: str = DEFAULT_POSITION_RULE) -> torch.Tensor:
         """1-D text-stream positions [L] of a whole sequence (the drafter's positions), without a forward."""
         check_position_rule(position_rule)
-        mrope, _ = self._prompt_positions(inputs)
-        return self._positions_1d(inputs, mrope, position_rule)
+        mrope, _ = prompt_positions(self.model, inputs)
+        return drafter_positions(self.model, inputs, mrope, position_rule)
+
+    def row_prompt(self, inputs: TargetInputs, position_rule: str = DEFAULT_POSITION_RULE) -> RowPrompt:
+        """A prompt for the runner's prefill (:meth:`RaggedBatch.prefill`): its images through the vision tower.
+
+        The M-RoPE positions and rope_delta are this request's own; ``position_rule`` sets the
+        drafter's 1-D positions of the image tokens (:mod:`vlmspec.targets.positions`).
+        """
+        return row_prompt(self.model, self.spec, inputs, position_rule)
 
     # ---------------------------------------------------------------- internals
     @torch.inference_mode()
@@ -420,25 +415,6 @@ class QwenVLTarget:
             **options,
         )
         return output[0, inputs.length :].tolist()
-
-    def _prompt_positions(self, inputs: TargetInputs) -> tuple[torch.Tensor, int]:
-        """M-RoPE ids [3, 1, L] of the prompt and its rope_delta, computed for this request only."""
-        ids = inputs.input_ids
-        if inputs.num_images == 0:
-            return torch.arange(ids.shape[1], device=self.device).view(1, 1, -1).expand(3, 1, -1), 0
-        kwargs = inputs.model_kwargs
-        mrope, deltas = self.model.model.get_rope_index(
-            ids,
-            mm_token_type_ids=kwargs.get("mm_token_type_ids"),
-            image_grid_thw=kwargs.get("image_grid_thw"),
-            video_grid_thw=kwargs.get("video_grid_thw"),
-        )
-        return mrope.to(self.device), int(deltas.flatten()[0])
-
-    def _positions_1d(self, inputs: TargetInputs, mrope: torch.Tensor, rule: str) -> torch.Tensor:
-        vision_ids = torch.tensor(sorted(self._image_token_ids), device=self.device)
-        vision_mask = torch.isin(inputs.input_ids[0], vision_ids)
-        return text_stream_positions(mrope[:, 0].cpu(), vision_mask.cpu(), rule)
 
     @staticmethod
     def _with_text_row(mrope: torch.Tensor, start: int) -> torch.Tensor:
@@ -496,17 +472,3 @@ def prefill_output(inputs: TargetInputs, step: TargetStep, rope_delta: int = 0) 
         logits=step.logits[-1],
         next_position=inputs.length + rope_delta,  # decoding continues at cache index + rope_delta
     )
-
-
-def check_decode_mode(decode: str) -> str:
-    if decode not in DECODE_MODES:
-        raise ValueError(f"decode must be one of {', '.join(map(repr, DECODE_MODES))}, got {decode!r}")
-    return decode
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]

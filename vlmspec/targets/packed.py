@@ -9,17 +9,20 @@ which reads float32 and bfloat16 weights as the model stores them near the memor
 bandwidth; elsewhere through oneDNN's reordered weights or ATen
 (``benchmarks/target_step.py`` measures each backend, term by term).
 
-:class:`PackedDecoder` runs the language model's decoder layers itself, for text tokens
-after a prefill (decode and verify):
+:class:`PackedDecoder` runs the language model's decoder layers itself, for prefills
+(text and images) and for decode and verify steps:
 
 * every linear layer goes through a :class:`PackedLinear` (q/k/v fused into one, gate
   and up into one), whose backend is chosen once per weight;
 * the activation is the model's own module; the norms (and Qwen3-VL's q/k norms) run as
   one kernel call each where that computes what the model's module computes (checked on a
   probe when packing), else as the module;
-* positions are 1-D: after the prompt every token of a Qwen-VL request sits at the same
-  M-RoPE position in all three components, so both M-RoPE layouts (sectioned and
-  interleaved) reduce to plain RoPE over the model's own ``inv_freq``;
+* positions are 1-D wherever the three M-RoPE components are equal (text, and every token
+  after the prompt): both M-RoPE layouts reduce to plain RoPE over the model's own
+  ``inv_freq``. A prefill with images passes [3, B] positions: each rotary frequency turns
+  by the component the family's layout gives it (:func:`vlmspec.targets.families.rope_components`);
+* image tokens take the vision tower's embeddings instead of their placeholders', and
+  Qwen3-VL's deepstack embeddings are added after its first layers (Python loop);
 * keys and values go straight into the runner's preallocated KV buffers, and attention
   reads only each row's valid slots (:func:`vlmspec.targets.ragged.attend_rows`);
 * where every step of a layer is one of vlmspec's kernels (no q/k norms, the kernel's
@@ -34,8 +37,8 @@ It computes what transformers computes up to float rounding (the products sum in
 order): greedy outputs agree except at numerical ties, which the benchmarks count. The
 reference mode of the runner (``decode="reference"``) runs transformers' own forward.
 
-What it does not know: vision (prefills with images run through transformers), requests,
-scheduling.
+What it does not know: the vision tower (its embeddings come in, computed by the model's
+own module: :mod:`vlmspec.targets.prompts`), requests, scheduling.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ from torch import nn
 
 from vlmspec.kernels.cpu_kernels import MAX_ROWS, decoder_layers, kernel_applies, rms_norm, rope_write, silu_mul
 from vlmspec.kernels.linear import PackedLinear, fused_linear
+from vlmspec.targets.families import language_model, model_spec, rope_components
+from vlmspec.targets.prompts import VisionEmbeds
 
 
 class KVSlots(Protocol):
@@ -116,7 +121,7 @@ def check_fast_path(model: nn.Module) -> None:
     (default RoPE only; dense gated MLPs only, not Qwen3-VL-MoE's experts) is refused at
     once rather than at its first decode step.
     """
-    text = model.model.language_model
+    text = language_model(model)
     rope = text.config.rope_parameters or {}
     if rope.get("rope_type", "default") != "default":
         problem = f"it implements default RoPE, not {rope.get('rope_type')!r}"
@@ -143,7 +148,7 @@ class PackedDecoder:
 
     def __init__(self, model: nn.Module) -> None:
         check_fast_path(model)
-        text = model.model.language_model
+        text = language_model(model)
         config = text.config
         # The packed weights are copies: remember what they were copied from, so that a weight
         # changed in place (loading, fine-tuning) or moved is noticed (see `matches`).
@@ -154,6 +159,11 @@ class PackedDecoder:
         self.layers = [_Layer(layer) for layer in text.layers]
         self.head = fused_linear(model.get_output_embeddings())
         self.inv_freq = text.rotary_emb.inv_freq.detach().float()  # [hd / 2]
+        # M-RoPE (prefills with images): the position component that turns each frequency, in the family's layout
+        sections = list(text.rotary_emb.mrope_section)
+        self.rope_components = rope_components(model_spec(model), sections, self.inv_freq.shape[0]).to(
+            self.inv_freq.device
+        )
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -184,11 +194,12 @@ class PackedDecoder:
     def __call__(
         self,
         ids: torch.Tensor,  # [B] int64 packed input tokens
-        positions: torch.Tensor,  # [B] int64 their (1-D = M-RoPE) positions
+        positions: torch.Tensor,  # [B] int64 their (1-D = M-RoPE) positions, or [3, B] M-RoPE (t, h, w) positions
         kv: KVSlots,  # the runner's KV buffers and each packed token's slot
         attend,  # (q [B, H, hd], key buffer, value buffer, scaling) -> [B, H, hd]
         feature_layers: Sequence[int] = (),
         logits_at: torch.Tensor | None = None,  # [n] int64 packed tokens whose logits are wanted (None: all)
+        vision: VisionEmbeds | None = None,  # image tokens' embeddings (index: packed), deepstack (Qwen3-VL)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [B or n, V] float32, features [B, m * d] or None
         """Logits (and hooked decoder-layer outputs) of the packed tokens; writes their K/V into ``kv``.
 
@@ -198,20 +209,29 @@ class PackedDecoder:
         its row's slots up to its own, which is the runner's ``attend`` wherever it applies.
         """
         hidden = self.embed(ids)  # [B, d]
+        if vision is not None:  # the vision tower's embeddings replace the image placeholders' (as transformers)
+            hidden[vision.index.to(hidden.device)] = vision.embeds.to(hidden.device, hidden.dtype)
         cos, sin = self._rotary(positions, hidden.dtype)
-        if self.native is not None and ids.shape[0] <= MAX_ROWS:  # past MAX_ROWS the linears are ATen's GEMM
+        deepstack = () if vision is None else vision.deepstack
+        # Past MAX_ROWS the linears are ATen's GEMM; deepstack (Qwen3-VL) runs in the Python loop.
+        if self.native is not None and ids.shape[0] <= MAX_ROWS and not deepstack:
             hidden, captured = self.native(hidden, cos[:, 0], sin[:, 0], kv, feature_layers)
         else:
-            hidden, captured = self._python_layers(hidden, cos, sin, kv, attend, feature_layers)
+            hidden, captured = self._python_layers(hidden, cos, sin, kv, attend, feature_layers, vision)
         last = hidden if logits_at is None else hidden[logits_at]
         logits = self.head(self.norm(last)).float()
         features = torch.cat(captured, dim=-1) if feature_layers else None
         return logits, features
 
     def _python_layers(
-        self, hidden, cos, sin, kv: KVSlots, attend, feature_layers: Sequence[int]
+        self, hidden, cos, sin, kv: KVSlots, attend, feature_layers: Sequence[int], vision: VisionEmbeds | None = None
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # hidden [B, d] -> [B, d], one [B, d] per feature layer
-        """The decoder layers one Python-level call at a time (every case; the native loop's reference)."""
+        """The decoder layers one Python-level call at a time (every case; the native loop's reference).
+
+        Qwen3-VL's deepstack embeddings are added to the image tokens' hidden states after
+        the first layers, after the hooks' capture, as transformers' text model does.
+        """
+        deepstack = () if vision is None else vision.deepstack
         n = hidden.shape[0]
         captured = {}
         for index, layer in enumerate(self.layers):
@@ -233,6 +253,10 @@ class PackedDecoder:
             hidden = hidden + layer.down(product)
             if index in feature_layers:
                 captured[index] = hidden
+            if index < len(deepstack):  # out of place: the captured hidden state stays the layer's output
+                hidden = hidden.clone()
+                rows = vision.index.to(hidden.device)
+                hidden[rows] = hidden[rows] + deepstack[index].to(hidden.device, hidden.dtype)
         return hidden, [captured[i] for i in feature_layers]
 
     def _attention_eager(self, index: int, layer: _Layer, qkv, cos, sin, kv: KVSlots, attend) -> torch.Tensor:
@@ -251,12 +275,19 @@ class PackedDecoder:
         return attend(q, keys, values, self.scaling)  # [B, H, hd]
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [B, 1, hd]: transformers' values (float32, then the model's dtype).
+        """cos and signed sin [B, 1, hd] of positions [B] or M-RoPE positions [3, B]: transformers' values.
 
-        The sin of the first half is negated once here, so that :func:`_rotate` needs no
-        negation per layer: ``(-x2) * s == -(x2 * s)`` exactly, in any dtype.
+        Computed in float32, then cast to the model's dtype. M-RoPE turns frequency j by the
+        position component ``rope_components[j]`` (the family's layout), which selects the
+        same angles transformers' ``recomposition_frequencies`` selects. The sin of the first
+        half is negated once here, so that :func:`_rotate` needs no negation per layer:
+        ``(-x2) * s == -(x2 * s)`` exactly, in any dtype.
         """
-        freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None]  # [B, hd / 2]
+        positions = positions.to(self.inv_freq.device).float()
+        if positions.dim() == 2:  # [3, B]: each frequency takes its own component's position
+            freqs = positions.T[:, self.rope_components] * self.inv_freq[None]  # [B, hd / 2]
+        else:
+            freqs = positions[:, None] * self.inv_freq[None]  # [B, hd / 2]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, hd]
         sin = angles.sin().to(dtype)
         half = sin.shape[-1] // 2

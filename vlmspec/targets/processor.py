@@ -50,15 +50,16 @@ def load_processor(path: str | os.PathLike, model_type: str):
     images never need it, so the processor is assembled from the tokenizer, the image
     processor and the chat template with ``video_processor=None``.
     """
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from vlmspec.targets.families import family_spec
 
     allow_processor_without_video()
     path = Path(path)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
-    processor_class = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor}.get(
-        model_type, Qwen3VLProcessor
-    )
+    processor_class = getattr(transformers, family_spec(model_type).processor)
     return processor_class(
         image_processor=image_processor,
         tokenizer=tokenizer,

@@ -23,12 +23,14 @@ afterwards. A :class:`RaggedBatch` holds such rows:
 A failed forward writes only at or beyond each row's committed length, so every row's
 committed state survives it: the caller may retry (the engine does, request by request).
 
-Text-only requests enter through :meth:`RaggedBatch.prefill`: many prompts in one packed
-forward that writes their KV straight into new rows. Requests with images enter after a
-one-request prefill (:meth:`QwenVLTarget.prefill`, with the vision tower and M-RoPE):
-:meth:`RaggedBatch.add` copies the prompt's KV into a free row. A finished
-request leaves with :meth:`RaggedBatch.remove`, which moves the last row into the hole
-(one row copied, not the whole buffer). Rows therefore change index: ``remove`` says which.
+Requests enter through :meth:`RaggedBatch.prefill`: many prompts, with images or without,
+in one packed forward that writes their KV straight into new rows. A prompt with images
+comes as a :class:`~vlmspec.targets.prompts.RowPrompt` (:meth:`QwenVLTarget.row_prompt`:
+the vision tower's embeddings, its M-RoPE positions [3, L] and rope_delta). A request
+prefilled alone (:meth:`QwenVLTarget.prefill`) can also join: :meth:`RaggedBatch.add`
+copies its KV into a free row. A finished request leaves with :meth:`RaggedBatch.remove`,
+which moves the last row into the hole (one row copied, not the whole buffer). Rows
+therefore change index: ``remove`` says which.
 
 Every row's logits and features equal what its request gets alone (float rounding
 apart: the attention sums over a few extra masked slots); tests/targets/test_ragged.py
@@ -37,6 +39,7 @@ checks it for every family.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,6 +49,8 @@ import torch.nn.functional as F
 
 from vlmspec.kernels.cpu_kernels import attention_applies, decode_attention
 from vlmspec.targets.adapter import QwenVLTarget, RequestState, TargetStep
+from vlmspec.targets.families import language_model
+from vlmspec.targets.prompts import RowPrompt, VisionEmbeds, as_row_prompt, pack_vision, text_model_inputs
 
 RAGGED_ATTENTION = "vlmspec_ragged"
 
@@ -70,14 +75,22 @@ class _Layout:
     num_rows: int  # R
     width: int  # W = max n_r
     keys: int  # S = max(length + n): key slots the attention reads
-    mask: torch.Tensor  # [R, 1, W, S] bool, True where query (r, i) may attend slot j
+    committed: torch.Tensor  # [R] int64 each row's committed length before this forward
+    device: torch.device  # where the attention runs
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:  # [R, 1, W, S] bool, True where query (r, i) may attend slot j
+        """SDPA's mask, built on first use: the native step's attention reads rows and slots instead."""
+        last_visible = self.committed[:, None] + torch.arange(self.width)  # [R, W]
+        mask = torch.arange(self.keys)[None, None, :] <= last_visible[:, :, None]  # [R, W, S]
+        return mask[:, None].to(self.device)
 
 
 class RaggedBatch:
     """The rows of a ragged batch: a shared KV buffer plus each row's length and rope_delta.
 
     >>> batch = RaggedBatch(target, feature_layers=(1, 2))
-    >>> row = batch.add(state)                           # a request after target.prefill(...)
+    >>> steps = batch.prefill([target.row_prompt(inputs)])  # new rows (images or not): first predictions
     >>> step = batch.verify(tokens, num_tokens)          # [R, W] inputs, [R] real counts
     >>> batch.advance(keep)                              # [R]: keep the first keep[r] inputs
     """
@@ -116,7 +129,7 @@ class RaggedBatch:
             )
         layers = state.cache.layers
         if not self._keys:
-            self._allocate(layers, max(self._initial_capacity, state.length))
+            self._allocate_empty(max(self._initial_capacity, state.length))
         row = self.num_rows
         self._reserve(rows=row + 1, slots=state.length)
         for buffer_k, buffer_v, layer in zip(self._keys, self._values, layers, strict=True):
@@ -164,47 +177,56 @@ class RaggedBatch:
             self._pending = num_tokens
             return RaggedStep(torch.zeros(self.num_rows, width, self.target.vocab_size), None, positions)
         packed_logits, packed_features = self._forward(tokens, positions, num_tokens, layout)
-        gather = _padding_gather(layout, self.target.device)  # [R * W] packed index of each padded slot
-        logits = packed_logits[gather].view(self.num_rows, width, -1)
-        features = None if packed_features is None else packed_features[gather].view(self.num_rows, width, -1)
+        if layout.rows.shape[0] < self.num_rows * width:  # some rows verify fewer tokens: pad them
+            gather = _padding_gather(layout, self.target.device)  # [R * W] packed index of each padded slot
+            packed_logits = packed_logits[gather]
+            packed_features = None if packed_features is None else packed_features[gather]
+        logits = packed_logits.view(self.num_rows, width, -1)
+        features = None if packed_features is None else packed_features.view(self.num_rows, width, -1)
         self._pending = num_tokens
         return RaggedStep(logits=logits, features=features, positions=positions)
 
     @torch.no_grad()
-    def prefill(self, prompts: Sequence[torch.Tensor]) -> list[TargetStep]:  # prompts: each [L_i] int64
-        """Open one row per text-only prompt and run all of them in one packed forward.
+    def prefill(self, prompts: Sequence[RowPrompt | torch.Tensor]) -> list[TargetStep]:  # tensors: [L_i] int64
+        """Open one row per prompt and run all of them in one packed forward, writing their KV into the new rows.
 
-        Text tokens sit at position i in all three M-RoPE components (``rope_delta`` 0),
-        so a text prompt needs nothing but its ids; prompts with images go through
-        :meth:`QwenVLTarget.prefill` and :meth:`add`. Rows are appended in order. Returns,
-        per prompt, the prediction after its last token (logits [1, V] float32), the hooked
-        features of all its tokens ([L_i, m * d], or None) and their positions ([L_i]).
+        A prompt is a :class:`RowPrompt` (:meth:`QwenVLTarget.row_prompt`: images, M-RoPE
+        positions, rope_delta) or, for text, just its ids ([L] int64: position i in all three
+        M-RoPE components, rope_delta 0). Rows are appended in order. Returns, per prompt,
+        the prediction after its last token (logits [1, V] float32), the hooked features of
+        all its tokens ([L_i, m * d], or None) and their 1-D text-stream positions ([L_i]).
         If the forward fails, no row is added.
         """
         if not prompts:
             return []
-        prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1).cpu() for p in prompts]
-        lengths = torch.tensor([p.numel() for p in prompts])  # [P]
+        prompts = [as_row_prompt(p) for p in prompts]
+        lengths = torch.tensor([p.length for p in prompts])  # [P]
         if bool((lengths < 1).any()):
             raise ValueError("prefill() takes prompts of at least one token")
         if not self._keys:
             self._allocate_empty(max(self._initial_capacity, int(lengths.max())))
         first = self.num_rows
         width = int(lengths.max())
+        deltas = torch.tensor([p.rope_delta for p in prompts], dtype=torch.long)  # [P]
         self.lengths = torch.cat((self.lengths, torch.zeros(len(prompts), dtype=torch.long)))
-        self.rope_deltas = torch.cat((self.rope_deltas, torch.zeros(len(prompts), dtype=torch.long)))
+        self.rope_deltas = torch.cat((self.rope_deltas, deltas))
         self._decoder = None  # a request joins: the packed weights are re-checked once, as in add()
         tokens = torch.zeros(self.num_rows, width, dtype=torch.long)  # [R, W]: only the new rows have inputs
         num_tokens = torch.zeros(self.num_rows, dtype=torch.long)  # [R]
         for i, prompt in enumerate(prompts):
-            tokens[first + i, : prompt.numel()] = prompt
+            tokens[first + i, : prompt.length] = prompt.ids.cpu()
         num_tokens[first:] = lengths
+        vision = pack_vision(prompts)
+        # With images the positions are M-RoPE's [3, B] (packed order: the new rows' tokens, row after row);
+        # text alone keeps the 1-D path: position i in all three components.
+        three_d = any(p.mrope is not None for p in prompts)
+        mrope = torch.cat([p.positions_3d() for p in prompts], dim=1) if three_d else None
         try:
             num_tokens = self._check_inputs(tokens, num_tokens)
             layout = self._layout(num_tokens, width)
-            ends = torch.cumsum(lengths, 0)  # packed order is the new rows' tokens, row after row
-            positions = self.lengths[:, None] + torch.arange(width) + self.rope_deltas[:, None]  # [R, W]
-            logits, features = self._forward(tokens, positions, num_tokens, layout, logits_at=ends - 1)
+            ends = torch.cumsum(lengths, 0)
+            positions = self.lengths[:, None] + torch.arange(width)  # [R, W]: text prompts start at 0
+            logits, features = self._forward(tokens, positions, num_tokens, layout, ends - 1, mrope, vision)
         except Exception:
             self.lengths, self.rope_deltas = self.lengths[:first], self.rope_deltas[:first]
             raise
@@ -213,10 +235,10 @@ class RaggedBatch:
         return [
             TargetStep(
                 logits=logits[i : i + 1],
-                features=None if features is None else features[int(end - n) : int(end)],
-                positions=torch.arange(int(n)),
+                features=None if features is None else features[int(end - prompt.length) : int(end)],
+                positions=prompt.positions_1d(),
             )
-            for i, (n, end) in enumerate(zip(lengths, ends, strict=True))
+            for i, (prompt, end) in enumerate(zip(prompts, ends, strict=True))
         ]
 
     def advance(self, keep: torch.Tensor | Sequence[int]) -> None:  # keep: [R] int64
@@ -232,16 +254,22 @@ class RaggedBatch:
         self._pending = None
 
     # ------------------------------------------------------------ internals
-    def _forward(self, tokens, positions, num_tokens, layout: _Layout, logits_at: torch.Tensor | None = None):
-        """The packed forward over the real inputs of ``tokens`` [R, W]: logits [B or n, V], features [B, m*d]."""
+    def _forward(self, tokens, positions, num_tokens, layout: _Layout, logits_at=None, mrope=None, vision=None):
+        """The packed forward over the real inputs of ``tokens`` [R, W]: logits [B or n, V], features [B, m*d].
+
+        Images: packed M-RoPE ``mrope`` [3, B] replaces ``positions``; ``vision`` is indexed in packed order.
+        """
         self._reserve(rows=self.num_rows, slots=int((self.lengths + num_tokens).max()))
         device = self.target.device
         packed_ids = tokens.cpu()[layout.rows, layout.offsets].to(device)  # [B]
         packed_positions = positions[layout.rows, layout.offsets].to(device)  # [B], all three M-RoPE components
+        if mrope is not None:
+            packed_positions = mrope.to(device)  # [3, B]
         forward = self._fast_forward if self.target.decode == "fast" else self._reference_forward
-        return forward(packed_ids, packed_positions, layout, None if logits_at is None else logits_at.to(device))
+        logits_at = None if logits_at is None else logits_at.to(device)
+        return forward(packed_ids, packed_positions, layout, logits_at, vision)
 
-    def _fast_forward(self, ids: torch.Tensor, positions: torch.Tensor, layout: _Layout, logits_at=None):
+    def _fast_forward(self, ids: torch.Tensor, positions: torch.Tensor, layout: _Layout, logits_at=None, vision=None):
         """vlmspec's packed decoder (fused linears): logits [B, V] float32, features [B, m * d] or None."""
         cache = _RaggedCache(self._keys, self._values, layout)
         if self._decoder is None:  # checked against the model's weights once per request joining, not per step
@@ -257,23 +285,28 @@ class RaggedBatch:
             def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
                 return attend_rows(q, keys, values, layout, scaling)  # [B, H, hd]
 
-        return decoder(ids, positions, cache, attend, self.feature_layers, logits_at)
+        return decoder(ids, positions, cache, attend, self.feature_layers, logits_at, vision)
 
-    def _reference_forward(self, ids: torch.Tensor, positions: torch.Tensor, layout: _Layout, logits_at=None):
-        """transformers' own forward with the ragged attention: logits [B, V] float32, features [B, m * d] or None."""
-        mrope = positions.view(1, 1, -1).expand(3, 1, -1)  # [3, 1, B]
-        cache = _RaggedCache(self._keys, self._values, layout)
+    def _reference_forward(self, ids, positions, layout: _Layout, logits_at=None, vision: VisionEmbeds | None = None):
+        """transformers' own forward with the ragged attention: logits [B, V] float32, features [B, m * d] or None.
+
+        ids [B]; positions [B] or [3, B]. With images: transformers' text model on the embeddings, images' in place.
+        """
+        mrope = positions.view(1, 1, -1).expand(3, 1, -1) if positions.dim() == 1 else positions[:, None]  # [3, 1, B]
+        model, cache = self.target.model, _RaggedCache(self._keys, self._values, layout)
+        arguments = {"position_ids": mrope, self.target._cache_kwarg: cache, "use_cache": True}
         with self.target._capture(self.feature_layers) as captured, _ragged_attention(self.target, layout):
-            out = self.target.model(
-                input_ids=ids[None],
-                position_ids=mrope,
-                **{self.target._cache_kwarg: cache},
-                use_cache=True,
-            )
+            if vision is None:
+                logits = model(input_ids=ids[None], **arguments).logits[0]
+            else:
+                arguments |= text_model_inputs(model, ids, vision)  # embeddings with the images', deepstack
+                hidden = language_model(model)(**arguments).last_hidden_state[0]  # [B, d]
+                logits = model.get_output_embeddings()(hidden if logits_at is None else hidden[logits_at])
+                logits_at = None  # applied
         features = None
         if self.feature_layers:
             features = torch.cat([captured[i][0] for i in self.feature_layers], dim=-1)
-        logits = out.logits[0] if logits_at is None else out.logits[0][logits_at]
+        logits = logits if logits_at is None else logits[logits_at]
         return logits.float(), features
 
     def _check_inputs(self, tokens: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:  # [R, W], [R] -> [R] CPU
@@ -297,9 +330,6 @@ class RaggedBatch:
         rows = torch.repeat_interleave(torch.arange(self.num_rows), num_tokens)  # [B]
         starts = torch.cumsum(num_tokens, 0) - num_tokens  # [R] packed index of each row's first token
         offsets = torch.arange(rows.shape[0]) - starts[rows]  # [B] i within the row
-        keys = int((self.lengths + num_tokens).max()) if self.num_rows else 0
-        last_visible = self.lengths[:, None] + torch.arange(width)  # [R, W]
-        mask = torch.arange(keys)[None, None, :] <= last_visible[:, :, None]  # [R, W, S]
         return _Layout(
             rows=rows,
             offsets=offsets,
@@ -307,24 +337,19 @@ class RaggedBatch:
             padded=rows * width + offsets,
             num_rows=self.num_rows,
             width=width,
-            keys=keys,
-            mask=mask[:, None].to(self.target.device),
+            keys=int((self.lengths + num_tokens).max()) if self.num_rows else 0,
+            committed=self.lengths,
+            device=self.target.device,
         )
 
     def _allocate_empty(self, capacity: int) -> None:
-        """Buffers shaped from the model's config (no prefilled request to copy the shapes from)."""
+        """Zeroed buffers of one row, ``capacity`` slots, shaped from the model's config."""
         config = self.target.model.config.get_text_config()
         heads = config.num_key_value_heads
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         for buffers in (self._keys, self._values):
             for _ in range(config.num_hidden_layers):
                 buffers.append(torch.zeros(1, heads, capacity, dim, dtype=self.target.dtype, device=self.target.device))
-
-    def _allocate(self, layers, capacity: int) -> None:
-        for layer in layers:
-            _, heads, _, dim = layer.keys.shape
-            for buffers in (self._keys, self._values):
-                buffers.append(layer.keys.new_zeros(1, heads, capacity, dim))
 
     def _reserve(self, rows: int, slots: int) -> None:
         """Grow the buffers (doubling) so they hold ``rows`` rows of ``slots`` slots."""

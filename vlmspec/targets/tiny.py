@@ -96,22 +96,21 @@ def qwen_tokenizer(cache_dir: str | os.PathLike | None = None):
 
 def tiny_processor(family: str, tokenizer=None):
     """A Qwen-VL processor for ``family`` with small image budgets (112-224 px)."""
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
+    import transformers
 
+    from vlmspec.targets.families import FAMILY_SPECS
     from vlmspec.targets.processor import allow_processor_without_video
 
     _check_family(family)
     allow_processor_without_video()
     tokenizer = tokenizer or qwen_tokenizer()
-    patch = 16 if family == "qwen3_vl" else 14
+    spec = FAMILY_SPECS[family]
+    patch = spec.patch_size
     unit = patch * 2  # one merged token covers 2x2 patches
     image_processor = _image_processor_class()(
         patch_size=patch, merge_size=2, temporal_patch_size=2, min_pixels=(2 * unit) ** 2, max_pixels=(8 * unit) ** 2
     )
-    processor_class = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[
-        family
-    ]
-    return processor_class(
+    return getattr(transformers, spec.processor)(
         image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=QWEN_VL_CHAT_TEMPLATE
     )
 
