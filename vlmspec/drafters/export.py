@@ -47,6 +47,12 @@ Weight names map one to one (vlmspec -> exported): ``backbone.context_proj`` -> 
 ``.post_attention_layernorm``, ``backbone.norm`` -> ``norm``, ``head.embed`` / ``head.out`` /
 ``head.gate`` / ``head.joint`` -> ``markov_head.markov_w1`` / ``markov_w2`` / ``gate_proj`` /
 ``joint_proj``, ``confidence.proj`` -> ``confidence_head.proj``.
+
+This module owns the export itself (what each format can express, the weights it ships, the
+files it writes). The name map and each format's ``config.json`` live in
+:mod:`vlmspec.drafters.export_layouts`; reading an export back (:func:`detect_format`,
+:func:`read_exported`, :func:`import_drafter`) in :mod:`vlmspec.drafters.import_exported`.
+Both are importable from here as before.
 """
 
 from __future__ import annotations
@@ -54,7 +60,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,39 +69,15 @@ import torch
 
 from vlmspec.drafters.dspark.config import CONFIG_NAME, DSparkConfig
 from vlmspec.drafters.dspark.model import WEIGHTS_NAME, DSparkDrafter
-
-FORMATS = ("deepspec", "speculators", "dflash")
-VLMSPEC_META = "vlmspec.json"  # vlmspec-only fields, ignored by the engines
-MAX_POSITIONS = 32768
-MASK_EMBEDDING_NAME = "mask_embedding.pt"  # a learned MASK vector, in the file llama.cpp's converter reads
-
-#: vlmspec state-dict name prefix <-> exported prefix ({i}: a layer index); first match wins.
-_NAME_PAIRS: tuple[tuple[str, str], ...] = (
-    ("backbone.context_proj.", "fc."),
-    ("backbone.context_norm.", "hidden_norm."),
-    ("backbone.norm.", "norm."),
-    ("backbone.layers.{i}.input_norm.", "layers.{i}.input_layernorm."),
-    ("backbone.layers.{i}.mlp_norm.", "layers.{i}.post_attention_layernorm."),
-    ("backbone.layers.{i}.attn.", "layers.{i}.self_attn."),
-    ("backbone.layers.{i}.mlp.", "layers.{i}.mlp."),
-    ("head.embed.", "markov_head.markov_w1."),
-    ("head.out.", "markov_head.markov_w2."),
-    ("head.gate.", "markov_head.gate_proj."),
-    ("head.joint.", "markov_head.joint_proj."),
-    ("confidence.proj.", "confidence_head.proj."),
+from vlmspec.drafters.export_layouts import (
+    FORMATS,
+    MASK_EMBEDDING_NAME,
+    MAX_POSITIONS,
+    VLMSPEC_META,
+    exported_name,
+    format_config,
 )
-
-
-def _rename_rules(pairs: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
-    """(regex, replacement) rules that turn each pair's first prefix into its second."""
-    index = re.escape("{i}")
-    return tuple(
-        ("^" + re.escape(source).replace(index, r"(\d+)"), target.replace("{i}", r"\1")) for source, target in pairs
-    )
-
-
-_RENAMES = _rename_rules(_NAME_PAIRS)  # vlmspec -> exported
-_BACK = _rename_rules(tuple((exported, ours) for ours, exported in _NAME_PAIRS))  # exported -> vlmspec
+from vlmspec.drafters.import_exported import detect_format, import_drafter, read_exported
 
 
 @dataclass
@@ -151,9 +132,8 @@ def export_drafter(
     if config.draft_vocab_size is not None:
         weights.update(_vocab_map(config, state, head_weight, weights))
     num_target_layers = getattr(target, "num_layers", None) or max(config.target_layer_ids) + 2
-    writers = {"deepspec": _deepspec_config, "speculators": _speculators_config, "dflash": _dflash_config}
     row_config = config if mask is None else dataclasses.replace(config, mask_token_id=mask["mask_token_id"])
-    exported = writers[format](row_config, num_target_layers, max_position_embeddings, verifier)
+    exported = format_config(format, row_config, num_target_layers, max_position_embeddings, verifier)
     _write(report.directory, exported, weights, config, mask)
     for message in report.dropped + report.inexact:
         warnings.warn(f"export to {format}: {message}", stacklevel=2)
@@ -250,23 +230,6 @@ def _check_dflash(config: DSparkConfig, strict: bool, report: ExportReport) -> N
     report.inexact.append(slot)
 
 
-# ---------------------------------------------------------------------------------- weights
-def exported_name(name: str) -> str | None:
-    """The exported (DFlash / transformers-style) name of a drafter parameter, or None if it has none.
-
-    Inside a decoder layer these are transformers' own names (``layers.0.self_attn.q_proj.weight``),
-    which is what lets a warm start copy a target layer into a drafter layer.
-    """
-    return _rename(name, _RENAMES)
-
-
-def _rename(name: str, rules: tuple[tuple[str, str], ...]) -> str | None:
-    for pattern, replacement in rules:
-        if re.match(pattern, name):
-            return re.sub(pattern, replacement, name, count=1)
-    return None
-
-
 def _export_weights(
     config: DSparkConfig, state: dict[str, torch.Tensor], format: str, report: ExportReport
 ) -> dict[str, torch.Tensor]:
@@ -275,7 +238,7 @@ def _export_weights(
     for name, tensor in state.items():
         if name in ("draft_token_ids", "mask_embedding"):
             continue  # the vocabulary map and a learned mask vector are written separately
-        new = _rename(name, _RENAMES)
+        new = exported_name(name)
         if new is None:
             raise ValueError(f"no {format} name for drafter weight {name!r}; this vlmspec version cannot export it")
         if format == "dflash" and new.startswith(("markov_head.", "confidence_head.")):
@@ -315,99 +278,6 @@ def _vocab_map(
     }
 
 
-# ---------------------------------------------------------------------------------- configs
-def _qwen3_fields(config: DSparkConfig, max_positions: int) -> dict[str, Any]:
-    """The Hugging Face ``qwen3`` fields of the draft backbone, with 1-D RoPE."""
-    return {
-        "model_type": "qwen3",
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": config.rms_norm_eps,
-        "vocab_size": config.target_vocab_size,
-        "max_position_embeddings": max_positions,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
-        "rope_theta": config.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-    }
-
-
-def _markov_fields(config: DSparkConfig) -> dict[str, Any]:
-    has_head = config.head_kind != "none"
-    return {
-        "markov_rank": config.head_rank if has_head else 0,
-        "markov_head_type": config.head_kind if has_head else "vanilla",
-        "enable_confidence_head": config.confidence_head,
-        "confidence_head_with_markov": bool(config.confidence_head and config.confidence_with_markov),
-    }
-
-
-def _deepspec_config(config: DSparkConfig, num_target_layers: int, max_positions: int, verifier: str | None) -> dict:
-    markov = _markov_fields(config)
-    return {
-        **_qwen3_fields(config, max_positions),
-        "architectures": ["Qwen3DSparkModel"],
-        "block_size": config.block_size,
-        "num_target_layers": num_target_layers,
-        "target_hidden_size": config.target_hidden_size,
-        "draft_vocab_size": config.num_draft_tokens,
-        "sample_from_anchor": True,
-        **markov,
-        "dflash_config": {
-            "mask_token_id": config.mask_token_id,
-            "target_layer_ids": list(config.target_layer_ids),  # output of decoder layer i
-            "projector_type": "dspark",
-            "shift_label": True,  # slot j predicts the token after it (anchor slot included)
-            "markov_rank": markov["markov_rank"],
-            "markov_head_type": markov["markov_head_type"],
-            "use_confidence_head": config.confidence_head,
-        },
-    }
-
-
-def _speculators_config(config: DSparkConfig, num_target_layers: int, max_positions: int, verifier: str | None) -> dict:
-    layer = _qwen3_fields(config, max_positions)
-    return {
-        "speculators_model_type": "dspark",
-        "architectures": ["DSparkSpeculator"],
-        "transformer_layer_config": layer,
-        "draft_vocab_size": config.num_draft_tokens,
-        "block_size": config.block_size,
-        "target_hidden_size": config.target_hidden_size,
-        # vLLM's aux hidden state i is the input of layer i = the output of layer i - 1.
-        "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
-        "mask_token_id": config.mask_token_id,
-        "sliding_window_non_causal": False,
-        "sample_from_anchor": True,
-        **_markov_fields(config),
-        "speculators_config": {
-            "algorithm": "dspark",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": []},
-        },
-    }
-
-
-def _dflash_config(config: DSparkConfig, num_target_layers: int, max_positions: int, verifier: str | None) -> dict:
-    return {
-        **_qwen3_fields(config, max_positions),
-        "architectures": ["DFlashDraftModel"],
-        "block_size": config.block_size,
-        "num_target_layers": num_target_layers,
-        "dflash_config": {
-            "mask_token_id": config.mask_token_id,
-            "target_layer_ids": list(config.target_layer_ids),  # output of decoder layer i
-        },
-    }
-
-
 def _write(
     directory: Path,
     exported: dict,
@@ -427,112 +297,6 @@ def _write(
         torch.save(mask, mask_file)
     elif mask_file.exists():  # a stale vector from an earlier export into the same directory would be read
         mask_file.unlink()
-
-
-# ---------------------------------------------------------------------------------- import
-def detect_format(directory: str | os.PathLike) -> str:
-    """Which of ``FORMATS`` the ``config.json`` in ``directory`` is written in."""
-    path = Path(directory) / CONFIG_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"no {CONFIG_NAME} in {directory}: not an exported drafter")
-    data = json.loads(path.read_text())
-    if data.get("speculators_model_type") == "dspark":
-        return "speculators"
-    if data.get("speculators_model_type"):
-        raise ValueError(f"{path}: speculators algorithm {data['speculators_model_type']!r} is not a DSpark drafter")
-    if "Qwen3DSparkModel" in data.get("architectures", []) or "markov_rank" in data:
-        return "deepspec"
-    if "dflash_config" in data:
-        return "dflash"
-    raise ValueError(f"{path} is neither a deepspec, speculators nor dflash drafter config; see {FORMATS}")
-
-
-def read_exported(directory: str | os.PathLike) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:
-    """The vlmspec config and state dict of an exported drafter (no target needed)."""
-    from safetensors.torch import load_file
-
-    path = Path(directory)
-    format = detect_format(path)
-    data = json.loads((path / CONFIG_NAME).read_text())
-    config = _config_from(format, data, _vlmspec_meta(path))
-    state = _import_weights(config, load_file(str(path / WEIGHTS_NAME)), path)
-    mask_file = path / MASK_EMBEDDING_NAME
-    if mask_file.is_file():  # a learned MASK vector: the drafter owns it again, the row is only its export name
-        mask = torch.load(mask_file, map_location="cpu", weights_only=True)
-        if mask.get("mask_token_id") != config.mask_token_id:
-            raise ValueError(
-                f"{mask_file} names mask_token_id {mask.get('mask_token_id')} but {CONFIG_NAME} says "
-                f"{config.mask_token_id}; the files come from different exports: export the drafter again"
-            )
-        config = dataclasses.replace(config, mask_token_id=None)
-        state["mask_embedding"] = mask["embedding"]
-    return config, state
-
-
-def import_drafter(directory: str | os.PathLike, *, target: Any) -> DSparkDrafter:
-    """Load an exported drafter (any of ``FORMATS``) as a :class:`DSparkDrafter` tied to ``target``."""
-    config, state = read_exported(directory)
-    return DSparkDrafter.from_state(config, state, target=target, source=str(directory))
-
-
-def _vlmspec_meta(path: Path) -> dict[str, Any]:
-    meta = path / VLMSPEC_META
-    return json.loads(meta.read_text()).get("vlmspec_config", {}) if meta.is_file() else {}
-
-
-def _config_from(format: str, data: dict[str, Any], meta: dict[str, Any]) -> DSparkConfig:
-    """A DSparkConfig from an exported config (``meta``: vlmspec-only fields, when present)."""
-    layer = data["transformer_layer_config"] if format == "speculators" else data
-    rope = layer.get("rope_parameters") or {}
-    if "mrope_section" in rope:
-        raise ValueError("the exported config defines mrope_section; vlmspec drafters use 1-D RoPE")
-    if format == "speculators":
-        layer_ids = [i - 1 for i in data["aux_hidden_state_layer_ids"]]
-    else:
-        layer_ids = list(data["dflash_config"]["target_layer_ids"])
-    mask = data.get("mask_token_id") if format == "speculators" else data["dflash_config"].get("mask_token_id")
-    vocab = int(layer["vocab_size"])
-    draft_vocab = int(data.get("draft_vocab_size") or vocab)
-    rank = int(data.get("markov_rank", 0)) if format != "dflash" else 0
-    fields: dict[str, Any] = {
-        **{k: v for k, v in meta.items() if k in ("position_rule", "target_name", "init_std", "version")},
-        "target_hidden_size": int(data.get("target_hidden_size") or layer["hidden_size"]),
-        "target_vocab_size": vocab,
-        "target_layer_ids": layer_ids,
-        "hidden_size": int(layer["hidden_size"]),
-        "num_layers": int(layer["num_hidden_layers"]),
-        "num_heads": int(layer["num_attention_heads"]),
-        "num_kv_heads": int(layer["num_key_value_heads"]),
-        "head_dim": int(layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]),
-        "intermediate_size": int(layer["intermediate_size"]),
-        "rms_norm_eps": float(layer["rms_norm_eps"]),
-        "rope_theta": float(rope.get("rope_theta", layer.get("rope_theta", 1_000_000.0))),
-        "block_size": int(data["block_size"]),
-        "mask_token_id": mask,
-        "draft_vocab_size": None if draft_vocab >= vocab else draft_vocab,
-        "head_kind": data.get("markov_head_type", "vanilla") if rank > 0 else "none",
-        "head_rank": rank if rank > 0 else int(meta.get("head_rank", 256)),
-        "confidence_head": bool(data.get("enable_confidence_head", False)) if format != "dflash" else False,
-        "confidence_with_markov": bool(data.get("confidence_head_with_markov", False)) and rank > 0,
-    }
-    return DSparkConfig(**fields)
-
-
-def _import_weights(config: DSparkConfig, exported: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in exported.items():
-        if name in ("lm_head.weight", "t2d", "embed_tokens.weight"):
-            continue  # the target's own rows, re-tied at load
-        if name == "d2t":
-            state["draft_token_ids"] = tensor.long() + torch.arange(tensor.shape[0])
-            continue
-        new = _rename(name, _BACK)
-        if new is None:
-            raise ValueError(f"{path}: unknown weight {name!r}; this is not a checkpoint vlmspec can import")
-        state[new] = tensor
-    if config.draft_vocab_size is not None and "draft_token_ids" not in state:
-        raise ValueError(f"{path}: draft_vocab_size is {config.draft_vocab_size} but the checkpoint has no d2t map")
-    return state
 
 
 __all__ = ["FORMATS", "ExportReport", "detect_format", "export_drafter", "import_drafter", "read_exported"]

@@ -1,0 +1,5 @@
+"""`python -m vlmspec`: the same as the `vlmspec` command."""
+
+from vlmspec.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""What the subcommands share: the --target/--drafter help, the option groups, and the engine they describe.
+
+``vlmspec generate``, ``demo`` and ``serve`` build their engine here (:func:`build_engine`), with the
+scheduler defaults measured for the reference pair (:func:`reference_defaults`); ``profile`` takes
+the target options alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from vlmspec.scheduling.factory import SCHEDULERS, describe_schedulers
+from vlmspec.targets.adapter import DECODE_MODES
+from vlmspec.types import RequestOptions
+
+# What --target and --drafter take, named the same in every command's --help (vlmspec.loading knows them).
+TARGET_HELP = (
+    "'reference' (the bundled real-weights target: SmolLM2-135M in a Qwen2-VL), a Qwen-VL model directory "
+    "(with config.json), or tiny:FAMILY for a random tiny model (qwen2_vl, qwen2_5_vl, qwen3_vl)"
+)
+DRAFTER_HELP = (
+    "'reference' (the bundled pair's default: n-gram copies and its DSpark drafter under the drafting policy), "
+    "'reference-dspark' (that DSpark drafter alone), 'reference-dflash' (a bundled DFlash drafter), "
+    "'prompt-lookup' (n-gram copies from the prompt), 'none' (the target alone) or a DSpark drafter directory"
+)
+
+
+def target_options(p: argparse.ArgumentParser, drafter: bool = True) -> None:
+    p.add_argument("--target", required=True, help=TARGET_HELP)
+    if drafter:
+        p.add_argument("--drafter", default="prompt-lookup", help=f"{DRAFTER_HELP} (default: prompt-lookup)")
+        scheduler_options(p)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--attn-implementation", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"))
+    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--decode",
+        default="fast",
+        choices=DECODE_MODES,
+        help="decode/verify forward: 'fast' (vlmspec's packed decoder and CPU kernel) or 'reference' (transformers' own forward)",
+    )
+
+
+def scheduler_options(p: argparse.ArgumentParser) -> None:
+    """--scheduler by its factory name (vlmspec.scheduling.build_scheduler), and the options the schedulers take."""
+    p.add_argument(
+        "--scheduler",
+        default="none",
+        choices=SCHEDULERS,
+        help=f"how many drafts to verify per round: {describe_schedulers()}",
+    )
+    p.add_argument("--threshold", type=float, default=0.5, help="confidence threshold (threshold scheduler)")
+    p.add_argument("--sps", default=None, help="SPS table JSON or preset (sps, prefix, lagged-topk schedulers)")
+    p.add_argument(
+        "--calibration",
+        default=None,
+        help="a drafter directory or calibration.json: the scheduler sees calibrated confidences "
+        "(with a reference drafter, its own calibration is the default)",
+    )
+
+
+def generation_options(p: argparse.ArgumentParser) -> None:
+    """The request options (vlmspec.types.RequestOptions): one not given keeps RequestOptions' default."""
+    default = RequestOptions()
+    unset = argparse.SUPPRESS  # absent from args unless given, so the defaults live in RequestOptions only
+    p.add_argument("--max-new-tokens", type=int, default=unset, help=f"default {default.max_new_tokens}")
+    p.add_argument("--temperature", type=float, default=unset, help=f"0 = greedy (default {default.temperature})")
+    p.add_argument("--top-k", type=int, default=unset, help="keep the k likeliest tokens (default: all)")
+    p.add_argument("--top-p", type=float, default=unset, help="nucleus sampling mass in (0, 1] (default: all)")
+    p.add_argument("--seed", type=int, default=unset, help=f"seeds sampling (default {default.seed})")
+    p.add_argument("--stop", action="append", default=unset, help="stop string (repeatable)")
+
+
+def request_options(args) -> RequestOptions:
+    """The request options given on the command line, the others at their defaults."""
+    given = {name: getattr(args, name) for name in RequestOptions.names() if hasattr(args, name)}
+    return RequestOptions.build(**given)
+
+
+def build_engine(args, engine_class=None, **options):
+    """The engine the target options describe: a SpecEngine, or ``engine_class`` (BatchEngine) with ``options``."""
+    from vlmspec.engine import SpecEngine
+    from vlmspec.scheduling.factory import build_scheduler
+
+    scheduler = build_scheduler(args.scheduler, threshold=args.threshold, **reference_defaults(args))
+    drafter = None if args.drafter == "none" else args.drafter
+    return (engine_class or SpecEngine).from_pretrained(
+        args.target,
+        drafter=drafter,
+        scheduler=scheduler,
+        dtype=args.dtype,
+        attn_implementation=args.attn_implementation,
+        device=args.device,
+        decode=args.decode,
+        **options,
+    )
+
+
+def reference_defaults(args) -> dict:
+    """The SPS table and calibration for the scheduler: the ones measured for the reference pair, unless given.
+
+    With another target and no ``--sps``, a hardware-aware scheduler is refused with the command that measures one.
+    A scheduler that reads confidences sees them calibrated: ``--calibration``, or a reference drafter's own.
+    """
+    from vlmspec.reference import REFERENCE_DRAFTERS, reference_drafter_dir, reference_sps_table
+
+    needs_table = args.scheduler in ("sps", "prefix", "lagged-topk")
+    if needs_table and args.sps is None and args.target != "reference":
+        raise ValueError(
+            f"--scheduler {args.scheduler} needs the target's cost curve: measure it with `vlmspec profile "
+            f"--target {args.target} --out sps.json` and add --sps sps.json (or use --scheduler threshold or none)"
+        )
+    options = {"sps": args.sps or (reference_sps_table(args.dtype) if needs_table else None)}
+    if args.calibration is not None:
+        options["calibration"] = args.calibration
+    elif args.scheduler != "none" and args.drafter in REFERENCE_DRAFTERS:
+        options["calibration"] = reference_drafter_dir(args.drafter)
+    return options

@@ -1,0 +1,121 @@
+"""``vlmspec serve``: the OpenAI-compatible HTTP server over the batched engine, and its scheduler defaults."""
+
+from __future__ import annotations
+
+from vlmspec.commands.options import build_engine, target_options
+from vlmspec.serving.admission import DEFAULT_MAX_PREFILL_TOKENS
+from vlmspec.targets.inputs import ImageLimits
+
+
+def add_serve(commands) -> None:
+    p = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (chat completions) over the batched engine",
+        description="Serve /v1/chat/completions, /v1/models, /health and /metrics. Without --scheduler: for the "
+        "reference pair, sps with its measured cost curve and calibration, drafting while one request runs; for "
+        "another DSpark drafter, threshold; for prompt lookup, none (verify every draft).",
+    )
+    target_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the --target name)")
+    p.add_argument(
+        "--max-batch-size", type=int, default=32, help="requests decoded at once (rows of the batched forward)"
+    )
+    p.add_argument(
+        "--max-queued", type=int, default=64, help="requests waiting for a row beyond those; more get HTTP 429"
+    )
+    p.add_argument(
+        "--speculate-up-to",
+        type=int,
+        default=None,
+        help="draft only while at most this many requests run; above, verify the anchors alone (default: always "
+        "draft). On a CPU, where a big batch is compute-bound, 1-2 keeps serving at the target alone's speed",
+    )
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=DEFAULT_MAX_PREFILL_TOKENS,
+        help="prompt tokens one step prefills while requests decode (at least one prompt), so new prompts "
+        f"interleave with decode steps instead of stalling them (default: {DEFAULT_MAX_PREFILL_TOKENS})",
+    )
+    p.add_argument("--default-max-tokens", type=int, default=256, help="when a request sets no max_tokens")
+    p.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="a folder whose image files requests may name by path (default: only base64 data: URLs)",
+    )
+    p.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=ImageLimits.max_bytes,
+        help=f"largest encoded image a request may send, checked before decoding; more get HTTP 400 "
+        f"(default {ImageLimits.max_bytes:,}: 20 MiB)",
+    )
+    p.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=ImageLimits.max_pixels,
+        help=f"most pixels (width x height) an image may have, read from its header before decoding; more get "
+        f"HTTP 400 (default {ImageLimits.max_pixels:,}; Qwen-VL processors scale images down to 12.8-16.8 MP)",
+    )
+    # Verifying every draft is the slowest choice for a drafter with a confidence head (see the README).
+    p.set_defaults(run=_run_serve, scheduler=None)
+
+
+def _run_serve(args) -> int:
+    from pathlib import Path
+
+    from vlmspec.server import ServerConfig, serve
+    from vlmspec.serving import BatchEngine
+
+    media = Path(args.allowed_local_media_path) if args.allowed_local_media_path else None
+    if media is not None and not media.is_dir():
+        raise FileNotFoundError(f"--allowed-local-media-path {str(media)!r} is not a folder")
+    if args.max_queued < 0:
+        raise ValueError(f"--max-queued must be >= 0, got {args.max_queued}")
+    for flag, value in (("--max-image-bytes", args.max_image_bytes), ("--max-image-pixels", args.max_image_pixels)):
+        if value <= 0:
+            raise ValueError(f"{flag} must be a positive number, got {value}")
+    image_limits = ImageLimits(max_bytes=args.max_image_bytes, max_pixels=args.max_image_pixels)
+    _serving_defaults(args)
+    engine = build_engine(
+        args,
+        BatchEngine,
+        max_batch_size=args.max_batch_size,
+        speculate_up_to=args.speculate_up_to,
+        max_prefill_tokens=args.max_prefill_tokens,
+    )
+    name = args.served_model_name or Path(str(args.target)).name
+    cap = "always" if args.speculate_up_to is None else f"up to {args.speculate_up_to} running"
+    config = ServerConfig(
+        model_name=name,
+        max_queued=args.max_queued,
+        default_max_tokens=args.default_max_tokens,
+        allowed_media=media,
+        image_limits=image_limits,
+    )
+    print(
+        f"serving {name!r} (drafter {args.drafter}, scheduler {args.scheduler}, drafting {cap}) "
+        f"on http://{args.host}:{args.port}/v1"
+    )
+    serve(engine, config, host=args.host, port=args.port)
+    return 0
+
+
+def _serving_defaults(args) -> None:
+    """The scheduler, and when to draft, that ``vlmspec serve`` picks when the flags leave them open.
+
+    The reference pair: SPS argmax with its measured single-request cost curve, drafting only while one
+    request runs (the curve describes one request; a batch needs ``--sps`` from ``vlmspec profile
+    --requests``). Another DSpark drafter: the threshold scheduler. Prompt lookup has no confidences:
+    every draft is verified.
+    """
+    from vlmspec.reference import REFERENCE_DRAFTERS
+
+    if args.scheduler is None:
+        if args.target == "reference" and args.drafter in REFERENCE_DRAFTERS and args.sps is None:
+            args.scheduler = "sps"
+            args.speculate_up_to = args.speculate_up_to or 1
+        else:
+            args.scheduler = "none" if args.drafter in ("none", "prompt-lookup") else "threshold"

@@ -1,0 +1,108 @@
+"""The target's SPS curve: ``vlmspec profile`` measures it, ``vlmspec simulate`` writes the scheduler simulator over it."""
+
+from __future__ import annotations
+
+from vlmspec.commands.options import target_options
+from vlmspec.scheduling.profiling import PRESETS
+
+
+# ----------------------------------------------------------------------------------- profile
+def add_profile(commands) -> None:
+    p = commands.add_parser("profile", help="measure the target's SPS curve for the hardware-aware schedulers")
+    target_options(p, drafter=False)
+    p.add_argument("--out", required=True, help="where to write the table (JSON); a PNG plot is written beside it")
+    p.add_argument("--max-tokens", type=int, default=16, help="largest number of tokens in one forward (one request)")
+    p.add_argument(
+        "--requests",
+        default=None,
+        help="comma-separated numbers of concurrent requests, e.g. 1,4,16,32: time the batched (ragged) "
+        "verification forward of each, for BatchEngine's schedulers",
+    )
+    p.add_argument("--gamma", type=int, default=7, help="drafts per request at most (with --requests)")
+    p.add_argument("--context-length", type=int, default=256, help="tokens already in the cache while timing")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=10)
+    p.set_defaults(run=_run_profile)
+
+
+def _run_profile(args) -> int:
+    from pathlib import Path
+
+    from vlmspec.loading import load_target
+    from vlmspec.scheduling.profiling import plot_sps
+    from vlmspec.targets.profile import profile_target, profile_target_batched
+
+    target = load_target(
+        args.target,
+        dtype=args.dtype,
+        attn_implementation=args.attn_implementation,
+        device=args.device,
+        decode=args.decode,
+    )
+    if args.requests:
+        requests = _int_list(args.requests, "--requests")
+        table = profile_target_batched(
+            target,
+            requests=requests,
+            gamma=args.gamma,
+            context_length=args.context_length,
+            warmup=args.warmup,
+            repeats=args.repeats,
+        )
+        curves, labels = list(table.curves), [f"{r} requests" for r in table.requests]
+    else:
+        table = profile_target(
+            target,
+            max_tokens=args.max_tokens,
+            context_length=args.context_length,
+            warmup=args.warmup,
+            repeats=args.repeats,
+        )
+        curves, labels = [table], [table.meta.model]
+    path = table.save(args.out)
+    for curve, label in zip(curves, labels):
+        if len(curves) > 1:
+            print(label)
+        for tokens, sps in zip(curve.tokens, curve.steps_per_s):
+            print(f"{tokens:4d} tokens: {sps:8.2f} steps/s")
+    try:
+        print(f"wrote {path} and {plot_sps(curves, Path(path).with_suffix('.png'), labels=labels)}")
+    except ImportError:
+        print(f"wrote {path} (install matplotlib for the plot)")
+    return 0
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} takes positive integers separated by commas, e.g. 1,4,16,32; got {text!r}")
+    return values
+
+
+# ---------------------------------------------------------------------------------- simulate
+def add_simulate(commands) -> None:
+    p = commands.add_parser(
+        "simulate",
+        help="write the interactive scheduler simulator page (self-contained HTML)",
+        description="Write the scheduler simulator for an SPS table: a preset, or one measured with `vlmspec "
+        "profile --target reference --out sps.json` (the bundled real-weights target; any --target works).",
+    )
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--sps", help="an SPS table written by `vlmspec profile`")
+    source.add_argument("--preset", choices=PRESETS, help=f"a named SPS curve: {', '.join(PRESETS)} (default: cpu)")
+    p.add_argument("--gamma", type=int, default=None, help="draft positions to show (up to 16)")
+    p.add_argument("--out", default="scheduler-simulator.html")
+    p.add_argument("--open", action="store_true", help="open the page in a browser")
+    p.set_defaults(run=_run_simulate)
+
+
+def _run_simulate(args) -> int:
+    from vlmspec.simulate import load_table_for_simulator, write_simulator
+
+    preset = args.preset if (args.preset or args.sps) else "cpu"
+    table = load_table_for_simulator(args.sps, preset)
+    print(f"wrote {write_simulator(args.out, table, gamma=args.gamma, open_browser=args.open)}")
+    return 0
