@@ -15,12 +15,18 @@ GSM8K's: the entries no drafter trains on, ``vlmspec.data.heldout``):
 * ``vllm``, ``vllm-ngram`` (opt-in): vLLM's CPU build on the same prompt tokens, all C
   submitted in one ``generate`` call (its own continuous batching), plain or with its
   n-gram speculation, in its own venv (``benchmarks/vllm_peer.py``); greedy, text only
-  (``--workload text``), the reference target only.
+  (``--workload text``), the reference target only;
+* ``llama-cpp`` (opt-in): ``llama-server -np C`` on the reference target's own weights as GGUF
+  of the run's dtype (``benchmarks/llama_cpp_peer.py``), the same prompt tokens sent to
+  ``/completion`` by C client threads at once, streamed; the same restrictions as ``vllm``.
+  A peer that is missing (llama.cpp not built, vLLM not installable) is skipped, with the reason.
 
 Variants run interleaved (rotated) at every level, in one process, so ratios compare
 numbers measured side by side. Reported per run: output tokens per second (all new
 tokens / wall time, prefills included), the ratio to ``alone`` at the same level and mode,
-tau, verified drafts per request per step, per-request latency (add_request to finish:
+tau, verified drafts per request per step, time to first token (from the cell's start: all C
+requests arrive together; median and 90th percentile; not for vLLM, whose one ``generate``
+call returns only at the end), per-request latency (add_request to finish:
 mean and 90th percentile), and for greedy runs whether every request's output equals its
 ``alone`` output token for token. Writes ``concurrency.json``, ``concurrency.md`` and one
 ``throughput_<mode>.png`` per mode into ``--out``.
@@ -41,6 +47,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,8 +73,9 @@ from vlmspec.scheduling import build_scheduler
 from vlmspec.serving import BatchEngine
 from vlmspec.types import GenerationResult, SpecStats
 
-VARIANTS = ("alone", "fixed", "threshold", "prefix", "lagged-topk", "vllm", "vllm-ngram")
+VARIANTS = ("alone", "fixed", "threshold", "prefix", "lagged-topk", "vllm", "vllm-ngram", "llama-cpp")
 VLLM_VARIANTS = {"vllm": False, "vllm-ngram": True}  # name -> n-gram speculation
+PEERS = (*VLLM_VARIANTS, "llama-cpp")  # other engines, in their own processes
 DEFAULT_VARIANTS = ("alone", "fixed", "threshold", "prefix")
 # Text prompts: MT-Bench's held-out first turns, then GSM8K's when a run needs more than MT-Bench holds out.
 DEFAULT_PROMPT_SETS = tuple(
@@ -102,7 +110,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile-repeats", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs of every cell (the fastest counts)")
     add_workload_arguments(parser)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads here and vLLM's OpenMP threads")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads here, vLLM's and llama.cpp's threads")
+    parser.add_argument(
+        "--llama-cpp", default=None, help="llama.cpp folder (default: $LLAMA_CPP_DIR, else runs/llamacpp)"
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/concurrency"))
     args = parser.parse_args(argv)
     args.levels = _int_list(args.concurrency, "--concurrency")
@@ -112,10 +123,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--modes takes greedy and/or sampled, got {args.modes!r}")
     if not args.variant_list or set(args.variant_list) - set(VARIANTS):
         parser.error(f"--variants takes any of {', '.join(VARIANTS)}, got {args.variants!r}")
-    if set(args.variant_list) & set(VLLM_VARIANTS):
+    if set(args.variant_list) & set(PEERS):
         if args.workload != "text" or args.mode_list != ["greedy"] or args.target != "reference":
             parser.error(
-                "the vllm variants run greedy text prompts on the reference target: pass --workload text "
+                "the vllm and llama-cpp variants run greedy text prompts on the reference target: pass --workload text "
                 "--modes greedy (and the default --target reference)"
             )
     return args
@@ -250,14 +261,21 @@ def make_engine(variant: str, target, proposer, table, args: argparse.Namespace,
 
 
 # ------------------------------------------------------------------------------------ runs
-def run_cell(engine: BatchEngine, requests: list[dict[str, Any]]) -> tuple[float, list]:
-    """Run every request to the end; returns the wall time and the results in order."""
+def run_cell(engine: BatchEngine, requests: list[dict[str, Any]]) -> tuple[float, list, list[float]]:
+    """Run every request to the end (all added at once); the wall time, the results in order, and each
+    request's time to its first token from the start."""
     tick = time.perf_counter()
-    results = engine.generate_many(requests)
-    return time.perf_counter() - tick, results
+    ids = [engine.add_request(**r) for r in requests]
+    first: dict[str, float] = {}
+    while engine.has_unfinished:
+        for output in engine.step():
+            if output.tokens and output.request_id not in first:
+                first[output.request_id] = time.perf_counter()
+    wall_s = time.perf_counter() - tick
+    return wall_s, [engine.result(i, pop=True) for i in ids], [first.get(i, tick + wall_s) - tick for i in ids]
 
 
-def run_vllm_cell(variant: str, target, requests: list[dict[str, Any]], args, out: Path) -> tuple[float, list]:
+def run_vllm_cell(variant: str, target, requests: list[dict[str, Any]], args, out: Path) -> tuple[float, list, None]:
     """vLLM on the same prompt tokens, all requests in one call; results as GenerationResults (no tau)."""
     from benchmarks.vllm_peer import run_vllm
     from vlmspec.reference import reference_target_dir
@@ -279,13 +297,40 @@ def run_vllm_cell(variant: str, target, requests: list[dict[str, Any]], args, ou
     for tokens in found["tokens"]:
         stats = SpecStats(new_tokens=len(tokens), total_s=wall_s)
         results.append(GenerationResult(target.tokenizer.decode(tokens), tokens, stats, "length"))
-    return wall_s, results
+    return wall_s, results, None
 
 
-def cell_metrics(wall_s: float, results: list) -> dict[str, Any]:
+def run_llama_cell(target, requests: list[dict[str, Any]], args, out: Path) -> tuple[float, list, list[float]]:
+    """``llama-server -np C`` on the same prompt tokens, all C at once; results as GenerationResults (no tau)."""
+    from benchmarks import llama_cpp_peer
+
+    llama_cpp = llama_cpp_peer.locate_llama_cpp(args.llama_cpp)
+    gguf = llama_cpp_peer.reference_ggufs(target, args.dtype, llama_cpp, quantized=False)[llama_cpp_peer.EXACT]
+    prompts = [target.build_inputs(None, r["prompt"]).input_ids[0].tolist() for r in requests]
+    server_args = llama_cpp_peer.server_args(gguf, args.threads, context=2048 * len(prompts))  # 2048 per slot
+    wall_s, answers = llama_cpp_peer.run_concurrent(
+        llama_cpp.binary("llama-server"),
+        server_args,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        work_dir=out / "llama-cpp",
+        name=f"np{len(prompts)}",
+    )
+    results = []
+    for answer in answers:
+        tokens = list(answer["tokens"])
+        stats = SpecStats(new_tokens=len(tokens), total_s=answer["wall_s"])
+        results.append(GenerationResult(target.tokenizer.decode(tokens), tokens, stats, "length"))
+    return wall_s, results, [a["ttft_s"] for a in answers]
+
+
+def cell_metrics(wall_s: float, results: list, ttft: list[float] | None = None) -> dict[str, Any]:
     stats = SpecStats.merge(r.stats for r in results)
     latencies = sorted(r.stats.total_s for r in results)
     return {
+        "ttft_p50_s": percentile(ttft, 50) if ttft else None,
+        "ttft_p90_s": percentile(ttft, 90) if ttft else None,
+        "ttft_per_request_s": ttft,
         "wall_s": wall_s,
         "new_tokens": stats.new_tokens,
         "tokens_per_s": stats.new_tokens / wall_s if wall_s > 0 else None,
@@ -308,41 +353,59 @@ def main(argv: list[str] | None = None) -> int:
     needs_table = {"prefix", "lagged-topk"} & set(args.variant_list)
     table = sps_table(args, target, proposer.max_draft_tokens, out) if needs_table else None
     log("warming up ...")
-    ours = [variant for variant in args.variant_list if variant not in VLLM_VARIANTS]
+    ours = [variant for variant in args.variant_list if variant not in PEERS]
     for variant in ours:
         make_engine(variant, target, proposer, table, args, 2).generate_many(
             requests_for(tasks[:2], "greedy", args)[:2]
         )
 
-    cells = []
+    cells, skipped = [], {}
     for mode in args.mode_list:
         for level in args.levels:
             requests = requests_for(tasks[:level], mode, args)
-            best: dict[str, tuple[float, list]] = {}
+            best: dict[str, tuple] = {}
             for repeat in range(args.repeats):
-                for variant in rotated(args.variant_list, repeat + level):
-                    if variant in VLLM_VARIANTS:
-                        wall_s, results = run_vllm_cell(variant, target, requests, args, out)
-                    else:
-                        engine = make_engine(variant, target, proposer, table, args, level)
-                        wall_s, results = run_cell(engine, requests)
-                        del engine
-                        gc.collect()
-                    if variant not in best or wall_s < best[variant][0]:
-                        best[variant] = (wall_s, results)
+                for variant in rotated([v for v in args.variant_list if v not in skipped], repeat + level):
+                    try:
+                        measured = run_variant(variant, target, proposer, table, requests, args, out, level)
+                    except PEER_ERRORS as err:
+                        if variant not in PEERS:
+                            raise
+                        skipped[variant] = " ".join(str(err).split())[:300]
+                        log(f"{variant} skipped: {skipped[variant]}")
+                        continue
+                    if variant not in best or measured[0] < best[variant][0]:
+                        best[variant] = measured
             alone = best.get("alone")
-            for variant in args.variant_list:
-                wall_s, results = best[variant]
-                cell = {"mode": mode, "concurrency": level, "variant": variant, **cell_metrics(wall_s, results)}
+            for variant in [v for v in args.variant_list if v in best]:
+                cell = {"mode": mode, "concurrency": level, "variant": variant, **cell_metrics(*best[variant])}
+                results = best[variant][1]
                 if alone is not None:
                     cell["vs_alone"] = safe_ratio(cell["tokens_per_s"], cell_metrics(*alone)["tokens_per_s"])
                     if mode == "greedy":
                         cell["identical"] = all(r.token_ids == a.token_ids for r, a in zip(results, alone[1]))
                 cells.append(cell)
-                tau = "" if variant in VLLM_VARIANTS else f"  tau {cell['tau']:.2f}"
+                tau = "" if variant in PEERS else f"  tau {cell['tau']:.2f}"
                 log(f"{mode:8s} C={level:3d} {variant:12s} {cell['tokens_per_s']:8.1f} tok/s{tau}")
+    args.skipped = skipped
     write_outputs(out, args, cells, table)
     return 0
+
+
+PEER_ERRORS = (RuntimeError, ValueError, OSError, subprocess.SubprocessError)  # a peer missing or failing
+
+
+def run_variant(variant: str, target, proposer, table, requests, args, out: Path, level: int) -> tuple:
+    """One timed cell: (wall seconds, results in order, each request's time to first token or None)."""
+    if variant in VLLM_VARIANTS:
+        return run_vllm_cell(variant, target, requests, args, out)
+    if variant == "llama-cpp":
+        return run_llama_cell(target, requests, args, out)
+    engine = make_engine(variant, target, proposer, table, args, level)
+    measured = run_cell(engine, requests)
+    del engine
+    gc.collect()
+    return measured
 
 
 # ------------------------------------------------------------------------------------ outputs
@@ -365,6 +428,8 @@ def write_outputs(out: Path, args: argparse.Namespace, cells: list[dict[str, Any
         "vs alone",
         "tau",
         "verified/step",
+        "TTFT p50 s",
+        "TTFT p90 s",
         "latency mean s",
         "latency p90 s",
         "identical",
@@ -378,6 +443,8 @@ def write_outputs(out: Path, args: argparse.Namespace, cells: list[dict[str, Any
             c.get("vs_alone"),
             c["tau"],
             c["mean_verified"],
+            c["ttft_p50_s"],
+            c["ttft_p90_s"],
             c["latency_mean_s"],
             c["latency_p90_s"],
             c.get("identical"),
@@ -387,14 +454,17 @@ def write_outputs(out: Path, args: argparse.Namespace, cells: list[dict[str, Any
     note = (
         f"target {args.target}, drafter {args.drafter}, {args.dtype}, {args.max_new_tokens} new tokens per request, "
         + describe_workload(args)
-        + f"; sampled: temperature {args.temperature}; vllm rows: vLLM's own batching, no tau"
+        + f"; sampled: temperature {args.temperature}; vllm rows: vLLM's own batching, no tau, no TTFT; "
+        "llama-cpp rows: llama-server -np C, no tau"
+        + "".join(f"\n- {variant} skipped: {why}" for variant, why in getattr(args, "skipped", {}).items())
     )
     write_text(out / "concurrency.md", f"{note}\n\n{markdown_table(headers, rows)}")
     for mode in args.mode_list:
         series = {}
         for variant in args.variant_list:
             mine = [c for c in cells if c["mode"] == mode and c["variant"] == variant]
-            series[variant] = ([c["concurrency"] for c in mine], [c["tokens_per_s"] for c in mine])
+            if mine:
+                series[variant] = ([c["concurrency"] for c in mine], [c["tokens_per_s"] for c in mine])
         plot_lines(
             out / f"throughput_{mode}.png",
             series,

@@ -13,7 +13,14 @@ run):
   requests run (``vlmspec serve --speculate-up-to``);
 * ``vllm`` (opt-in): ``vllm serve`` of vLLM's CPU build on the reference target, from its
   own venv (``benchmarks/vllm_peer.py``), with its CPU guide's settings; text only
-  (``--workload text``).
+  (``--workload text``);
+* ``llama-cpp`` (opt-in): ``llama-server -np N`` (N = ``--max-batch-size`` or the top level,
+  2048 tokens of context per slot) on the reference target's own language model as GGUF of
+  the run's dtype (``benchmarks/llama_cpp_peer.py``), its OpenAI endpoint with the chat
+  template the GGUF carries (the target's own); text only (``--workload text``).
+
+A peer that cannot start (llama.cpp not built, vLLM not installable) is skipped, with the reason
+in ``serving.md``.
 
 At each concurrency level N, N clients (``openai.AsyncOpenAI``, streaming) send
 ``--requests`` chat completions back to back: with ``--workload mixed`` (the default) half
@@ -71,7 +78,8 @@ from benchmarks.common import (
 from benchmarks.concurrency import add_workload_arguments, describe_workload, workload
 from benchmarks.vllm_peer import DEFAULT_VENV as DEFAULT_VLLM_VENV
 
-VARIANTS = ("alone", "default", "threshold", "fixed", "prefix", "threshold-capped", "vllm")
+VARIANTS = ("alone", "default", "threshold", "fixed", "prefix", "threshold-capped", "vllm", "llama-cpp")
+PEERS = ("vllm", "llama-cpp")  # other engines: text prompts of the reference target
 SCHEDULER_FLAGS = {
     "default": [],  # what vlmspec serve picks by itself
     "alone": ["--drafter", "none"],
@@ -101,7 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-batch-size", type=int, default=None, help="the servers' (default: the top level)")
     add_workload_arguments(parser)
-    parser.add_argument("--threads", type=int, default=2, help="vLLM's OpenMP threads (the vllm variant)")
+    parser.add_argument("--threads", type=int, default=2, help="vLLM's and llama.cpp's threads (their variants)")
+    parser.add_argument(
+        "--llama-cpp", default=None, help="llama.cpp folder (default: $LLAMA_CPP_DIR, else runs/llamacpp)"
+    )
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for a server")
     parser.add_argument("--out", type=Path, default=Path("runs/serving"))
     args = parser.parse_args(argv)
@@ -111,8 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--concurrency takes positive integers separated by commas, got {args.concurrency!r}")
     if not args.variant_list or set(args.variant_list) - set(VARIANTS):
         parser.error(f"--variants takes any of {', '.join(VARIANTS)}, got {args.variants!r}")
-    if "vllm" in args.variant_list and (args.workload != "text" or args.target != "reference"):
-        parser.error("the vllm variant serves text prompts of the reference target: pass --workload text")
+    if set(PEERS) & set(args.variant_list) and (args.workload != "text" or args.target != "reference"):
+        parser.error("the vllm and llama-cpp variants serve text prompts of the reference target: pass --workload text")
     return args
 
 
@@ -138,6 +149,8 @@ class ServerProcess:
 def start_server(variant: str, port: int, args: argparse.Namespace, sps: str | None, out: Path) -> ServerProcess:
     if variant == "vllm":
         return start_vllm_server(port, args, out)
+    if variant == "llama-cpp":
+        return start_llama_server(port, args, out)
     command = [sys.executable, "-m", "vlmspec.cli", "serve", "--target", args.target, "--dtype", args.dtype]
     command += ["--drafter", args.drafter, "--threshold", str(args.threshold)] + SCHEDULER_FLAGS[variant]
     command += ["--sps", sps] if variant == "prefix" else []
@@ -163,6 +176,24 @@ def start_vllm_server(port: int, args: argparse.Namespace, out: Path) -> ServerP
     log_file = open(out / "server-vllm.log", "w")  # closed by ServerProcess.stop
     process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=vllm_environment(args.threads))
     return ServerProcess("vllm", f"http://127.0.0.1:{port}", process, log_file)
+
+
+def start_llama_server(port: int, args: argparse.Namespace, out: Path) -> ServerProcess:
+    """``llama-server -np N`` on the reference target's GGUF of this dtype (converted once, cached), text prompts."""
+    from benchmarks import llama_cpp_peer
+    from vlmspec.loading import load_target
+
+    llama_cpp = llama_cpp_peer.locate_llama_cpp(args.llama_cpp)
+    target = load_target("reference", dtype=args.dtype)  # its own weights and vocabulary, written for the converter
+    gguf = llama_cpp_peer.reference_ggufs(target, args.dtype, llama_cpp, quantized=False)[llama_cpp_peer.EXACT]
+    del target
+    slots = args.max_batch_size or max(args.levels)
+    command = [str(llama_cpp.binary("llama-server"))]
+    command += llama_cpp_peer.server_args(gguf, args.threads, context=2048 * slots)
+    command += ["-np", str(slots), "--alias", "bench", "--port", str(port), "--host", "127.0.0.1"]
+    log_file = open(out / "server-llama-cpp.log", "w")  # closed by ServerProcess.stop
+    process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+    return ServerProcess("llama-cpp", f"http://127.0.0.1:{port}", process, log_file)
 
 
 def wait_ready(server: ServerProcess, timeout: float) -> None:
@@ -296,17 +327,34 @@ def cell_metrics(wall_s: float, timings: list[Timing]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.skipped = {}
     out = prepare_out_dir(args.out)
     bodies = chat_requests(args)  # before measuring anything: too few held-out prompts stops here
     sps = measured_sps(args, out) if "prefix" in args.variant_list else None
     servers = {}
     try:
         for variant in args.variant_list:
-            servers[variant] = start_server(variant, _free_port(), args, sps, out)
-        for server in servers.values():
+            try:
+                servers[variant] = start_server(variant, _free_port(), args, sps, out)
+            except (RuntimeError, ValueError, OSError, subprocess.SubprocessError) as err:
+                if variant not in PEERS:
+                    raise
+                args.skipped[variant] = " ".join(str(err).split())[:300]
+                log(f"{variant} skipped: {args.skipped[variant]}")
+        args.variant_list = [v for v in args.variant_list if v in servers]
+        for server in list(servers.values()):
             log(f"waiting for the {server.variant} server ...")
-            wait_ready(server, args.startup_timeout)
+            try:
+                wait_ready(server, args.startup_timeout)
+            except SystemExit as err:  # a peer that does not come up is skipped; vlmspec's own must
+                if server.variant not in PEERS:
+                    raise
+                args.skipped[server.variant] = str(err)
+                log(f"{server.variant} skipped: {err}")
+                servers.pop(server.variant).stop()
+                continue
             asyncio.run(run_cell(f"{server.url}/v1", bodies[:2], 2))  # warm-up: first-call costs, both paths
+        args.variant_list = [v for v in args.variant_list if v in servers]
         cells = []
         for level in args.levels:
             results = {}
@@ -314,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                 wall_s, timings = asyncio.run(run_cell(f"{servers[variant].url}/v1", bodies, level))
                 results[variant] = timings
                 cell = {"concurrency": level, "variant": variant, **cell_metrics(wall_s, timings)}
+                cell["texts"] = [t.text for t in timings]  # what "identical" compared
                 cells.append(cell)
                 log(
                     f"N={level:3d} {variant:10s} {cell['requests_per_s']:6.2f} req/s {cell['tokens_per_s']:7.1f} tok/s "
@@ -355,6 +404,7 @@ def write_outputs(out: Path, args: argparse.Namespace, cells: list[dict[str, Any
     note = (
         f"target {args.target}, drafter {args.drafter}, {args.dtype}; {args.requests} requests per cell, "
         f"{describe_workload(args)}; max_tokens {args.max_tokens}, temperature {args.temperature}; clients stream"
+        + "".join(f"\n- {variant} skipped: {why}" for variant, why in args.skipped.items())
     )
     write_text(out / "serving.md", f"{note}\n\n{markdown_table(headers, rows)}")
     by_variant = {v: [c for c in cells if c["variant"] == v] for v in args.variant_list}

@@ -38,7 +38,7 @@ def provenance(argv: list[str] | None = None) -> dict[str, Any]:
     """The provenance of a run in this process: command line, git commit, UTC date, CPU, torch threads.
 
     ``argv``: the command as run; by default this process's, written as a person would type it
-    again (``python -m benchmarks.vs_vllm ...`` or ``vlmspec demo ...``).
+    again (``python -m benchmarks.vs_peers ...`` or ``vlmspec demo ...``).
     """
     commit, dirty = git_commit()
     return {

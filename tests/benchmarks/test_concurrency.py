@@ -42,6 +42,8 @@ def test_a_tiny_concurrency_run_writes_every_output_and_stays_lossless(tmp_path)
         (n, v) for n in (1, 2) for v in ("alone", "fixed", "prefix")
     }
     assert all(c["identical"] and c["errors"] == 0 and c["new_tokens"] == 4 * c["concurrency"] for c in cells)
+    assert all(0 < c["ttft_p50_s"] <= c["ttft_p90_s"] <= c["wall_s"] for c in cells)  # time to first token
+    assert all(len(c["ttft_per_request_s"]) == c["concurrency"] for c in cells)
     assert report["sps_table"]["requests"] == [1, 2] and (out / "sps.json").is_file()
     assert "| greedy | 2 | prefix |" in (out / "concurrency.md").read_text()
     assert (out / "throughput_greedy.png").stat().st_size > 0

@@ -103,7 +103,7 @@ def mmbench_spec_tasks(tmp_path: Path) -> list[Task]:
 
 
 def prompt_set_benchmarks() -> dict[str, list[Task]]:
-    """The benchmarks with a ``PROMPT_SETS`` default (vs_vllm, vllm_export, ...): the first --num-questions of each.
+    """The benchmarks with a ``PROMPT_SETS`` default (vs_peers, vllm_export, ...): the first --num-questions of each.
 
     Their mains select this way inline; finding them by the constant keeps a new one from slipping past.
     """
@@ -115,7 +115,7 @@ def prompt_set_benchmarks() -> dict[str, list[Task]]:
         args = module.parse_args([])
         paths = args.prompt_set or module.PROMPT_SETS
         selections[path.stem] = [t for p in paths for t in prompt_set_tasks(p, args.num_questions)]
-    assert {"vs_vllm"} <= set(selections)  # the search finds them
+    assert {"vs_peers"} <= set(selections)  # the search finds them
     return selections
 
 

@@ -1,0 +1,330 @@
+"""vlmspec against what a user would run instead, in one run: transformers, llama.cpp and vLLM's CPU build.
+
+transformers runs plain and with its prompt lookup (``prompt_lookup_num_tokens=10``,
+``max_matching_ngram_size=2``, the values of its documentation's example); llama.cpp's
+``llama-server`` plain, with its n-gram speculation (``--spec-type ngram-simple`` and
+``ngram-mod``, where the build has them) and on Q8_0 weights (lossy: what many users run);
+vLLM plain and with its n-gram speculation.
+
+Batch 1, greedy, the held-out text mix (the first GSM8K and MT-Bench questions, which
+no drafter trained on: ``vlmspec.data.heldout`` splits them, and the benchmark and
+``recipes/reference_prompts.py`` take their prompts through it).
+Every variant answers the same prompt tokens; the vlmspec variants, ``generate()`` and the
+llama.cpp servers take turns question by question (so a slow minute of the shared machine
+hits all of them), and vLLM runs afterwards in its own venv (``benchmarks/vllm_peer.py``).
+
+llama.cpp's weights are the reference target's own language model (``vlmspec.llama_cpp``: a
+Llama-shaped folder with its 49,156-row vocabulary, so the token ids are the same), converted
+by llama.cpp's ``convert_hf_to_gguf.py`` to F32 or BF16 as the run's dtype, and Q8_0 by
+``llama-quantize``; cached under ``runs/llamacpp-peer/gguf`` (``benchmarks/llama_cpp_peer.py``).
+Its prompts go to ``/completion`` as token ids (``temperature`` 0, ``cache_prompt`` false,
+``n_predict`` = ``--max-new-tokens``; EOS ends an answer, as in every other row), timed by the
+client from request to answer. A peer that is not there (llama.cpp not built, vLLM not
+installable) is skipped with the reason in the table's notes.
+
+```bash
+python -m benchmarks.vs_peers --dtype float32 --out runs/vs-peers/float32
+python -m benchmarks.vs_peers --dtype bfloat16 --out runs/vs-peers/bfloat16
+python -m benchmarks.vs_peers --images 4 --out runs/vs-peers/images   # image questions: TTFT and tok/s
+```
+
+Identity is reported as the runner issue defines it: each variant's tokens against
+``generate()``'s and against vlmspec's target alone, and at the first difference, whether it
+is a numerical tie (the target's own top-2 logit margin there below ``--tie-margin``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from benchmarks import llama_cpp_peer
+from benchmarks.common import markdown_table, prepare_out_dir, rotated, write_json, write_text
+from benchmarks.spec.workloads import prompt_set_tasks
+from benchmarks.vllm_peer import run_vllm
+
+PROMPT_SETS = ("../shared/data/prompts/gsm8k.jsonl", "../shared/data/prompts/mt-bench.jsonl")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--prompt-set", action="append", help="JSONL prompt sets (default: GSM8K and MT-Bench)")
+    parser.add_argument("--num-questions", type=int, default=4, help="first N questions of each set")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM peers")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp peers")
+    parser.add_argument(
+        "--llama-cpp", default=None, help="llama.cpp folder (default: $LLAMA_CPP_DIR, else runs/llamacpp)"
+    )
+    parser.add_argument("--no-quantized", action="store_true", help="skip llama.cpp's Q8_0 row")
+    parser.add_argument(
+        "--images",
+        type=int,
+        default=0,
+        help="instead: N image questions (scikit-image photos), time to first token and tok/s against "
+        "transformers and llama.cpp's multimodal path (benchmarks/image_peers.py)",
+    )
+    parser.add_argument("--image-max-side", type=int, default=448, help="--images: the photos' longest side, pixels")
+    parser.add_argument(
+        "--tie-margin",
+        type=float,
+        default=None,
+        help="top-2 logit margin that counts as a tie (default: the forwards' measured logit differences, "
+        "about 1e-4 in float32 and 0.6 in bfloat16 on the reference target: 1e-3 and 1.0)",
+    )
+    parser.add_argument("--out", default="runs/vs-peers")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> Path:
+    args = parse_args(argv)
+    if args.tie_margin is None:
+        args.tie_margin = 1e-3 if args.dtype == "float32" else 1.0
+    torch.set_num_threads(args.threads)
+    if args.images:
+        from benchmarks.image_peers import run_images
+
+        return run_images(args)
+    from vlmspec import SpecEngine
+    from vlmspec.loading import load_proposer, load_target
+    from vlmspec.reference import reference_drafter_dir, reference_sps_table
+    from vlmspec.scheduling.factory import build_scheduler
+
+    out = prepare_out_dir(args.out)
+    tasks = [t for path in args.prompt_set or PROMPT_SETS for t in prompt_set_tasks(path, args.num_questions)]
+    target = load_target("reference", dtype=args.dtype)
+    # The reference pair's serving defaults: SPS on this dtype's measured curve, calibrated confidences;
+    # the default drafter ("reference": n-gram copies and DSpark under the drafting policy), and DSpark alone.
+    scheduler = build_scheduler(
+        "sps", sps=reference_sps_table(args.dtype), calibration=reference_drafter_dir("reference")
+    )
+    engine = SpecEngine(target, load_proposer("reference", target), scheduler)
+    dspark = SpecEngine(target, load_proposer("reference-dspark", target), scheduler)
+    inputs = [target.build_inputs(None, task.prompt) for task in tasks]
+    prompt_ids = [x.input_ids[0].tolist() for x in inputs]
+
+    def hf_generate(**options):
+        def run(i: int) -> list[int]:
+            return target.generate_greedy(inputs[i], args.max_new_tokens, **options)
+
+        return run
+
+    def vlmspec_run(decode: str, speculative: bool, host: SpecEngine = engine):
+        def run(i: int) -> list[int]:
+            target.decode = decode
+            task = tasks[i]
+            return host.generate(None, task.prompt, max_new_tokens=args.max_new_tokens, speculative=speculative)
+
+        return run
+
+    variants = {
+        "transformers generate()": hf_generate(),
+        "transformers prompt lookup": hf_generate(prompt_lookup_num_tokens=10, max_matching_ngram_size=2),
+        "vlmspec target alone (reference forward)": vlmspec_run("reference", False),
+        ALONE: vlmspec_run("fast", False),
+        "vlmspec + DSpark every round, SPS": vlmspec_run("fast", True, dspark),
+        "vlmspec defaults: n-gram + corpus + DSpark, drafting policy, SPS": vlmspec_run("fast", True),
+    }
+    skipped: dict[str, str] = {}
+    servers = [] if args.no_llama_cpp else start_llama_servers(target, args, out, skipped)
+    for name, server in servers:
+        variants[name] = llama_run(server, prompt_ids, args.max_new_tokens)
+    try:
+        for run in variants.values():  # warm-up: first-call costs (packing the weights, allocators)
+            run(0)
+        results = {name: {"tokens": [], "seconds": [], "tau": []} for name in variants}
+        for i, _ in enumerate(tasks):
+            for name in rotated(list(variants), i):
+                tick = time.perf_counter()
+                output = variants[name](i)
+                results[name]["seconds"].append(time.perf_counter() - tick)
+                record(results[name], output)
+            print(f"[vs-peers] question {i + 1}/{len(tasks)} done", flush=True)
+    finally:
+        for _, server in servers:
+            server.stop()
+    target.decode = "fast"
+    for name, server in servers:
+        results[name]["command"] = server.command
+
+    if not args.no_vllm:
+        results.update(vllm_rows(prompt_ids, args, out, skipped))
+
+    reference = results["transformers generate()"]["tokens"]
+    alone = results[ALONE]["tokens"]
+    rows, report = [], {}
+    best_llama = best_of(results, lambda n: n.startswith("llama.cpp") and n != llama_cpp_peer.LOSSY_ROW)
+    best_vllm = best_of(results, lambda n: n.startswith("vLLM"))
+    for name, r in results.items():
+        identity = identity_report(target, inputs, reference, r["tokens"], args.tie_margin)
+        own = identity_report(target, inputs, alone, r["tokens"], args.tie_margin)  # against vlmspec's target alone
+        speed = tok_per_s(r)
+        tau = sum(r["tau"]) / len(r["tau"]) if r.get("tau") else None
+        rows.append(
+            [
+                name,
+                speed,
+                speed / tok_per_s(results["transformers generate()"]),
+                speed / best_llama if best_llama else None,
+                speed / best_vllm if best_vllm else None,
+                tau,
+                f"{identity['identical']}/{len(tasks)} (+{identity['ties']})",
+                f"{own['identical']}/{len(tasks)} (+{own['ties']})",
+            ]
+        )
+        report[name] = {**r, "tok_per_s": speed, "identity": identity, "identity_to_target_alone": own}
+    table = markdown_table(HEADERS, rows)
+    by_class = per_class_table(tasks, results)
+    notes = "".join(f"\n- {peer} skipped: {why}" for peer, why in skipped.items())
+    print(f"{table}\n\n{by_class}{notes}")
+    write_text(
+        out / "table.md",
+        f"dtype {args.dtype}, {len(tasks)} questions, batch 1, greedy, {args.max_new_tokens} new tokens; "
+        f"llama.cpp tok/s: client wall time, prefill included{notes}\n\n{table}\n\n"
+        f"tok/s per prompt class (ratio to vlmspec's target alone)\n\n{by_class}\n",
+    )
+    write_json(out / "results.json", {"args": vars(args), "skipped": skipped, "results": report})
+    return out
+
+
+HEADERS = [
+    "engine",
+    "tok/s",
+    "vs generate()",
+    "vs best exact llama.cpp",
+    "vs best vLLM",
+    "tau",
+    "= generate() (+ ties)",
+    "= vlmspec target alone (+ ties)",
+]
+
+
+def record(result: dict, output) -> None:
+    """One answer into its row: vlmspec's GenerationResult, a token list, or a llama-server answer (a dict)."""
+    if isinstance(output, dict):  # llama.cpp: the client's wall time replaces the loop's (they differ by the HTTP hop)
+        result["seconds"][-1] = output["wall_s"]
+        result["tokens"].append(list(output["tokens"]))
+        result.setdefault("timings", []).append(output["timings"])
+        return
+    tokens = output if isinstance(output, list) else output.token_ids
+    result["tokens"].append(list(tokens))
+    if not isinstance(output, list):
+        result["tau"].append(output.stats.tau)
+        result.setdefault("sources", []).append(output.stats.rounds_by_source)
+
+
+def best_of(results: dict, picked) -> float | None:
+    """The highest tok/s among the rows whose name ``picked`` accepts (None when there is none)."""
+    return max((tok_per_s(r) for n, r in results.items() if picked(n)), default=None)
+
+
+def start_llama_servers(target, args, out: Path, skipped: dict[str, str]) -> list:
+    """One running ``llama-server`` per llama.cpp row (plain, n-gram types, Q8_0); none, with the reason, if missing."""
+    try:
+        llama_cpp = llama_cpp_peer.locate_llama_cpp(args.llama_cpp)
+        ggufs = llama_cpp_peer.reference_ggufs(target, args.dtype, llama_cpp, quantized=not args.no_quantized)
+    except (ValueError, RuntimeError, OSError) as err:
+        skipped["llama.cpp"] = str(err).splitlines()[0]
+        print(f"[vs-peers] llama.cpp rows skipped: {skipped['llama.cpp']}", flush=True)
+        return []
+    binary = llama_cpp.binary("llama-server")
+    servers = []
+    try:
+        for i, (name, server_args) in enumerate(llama_cpp_peer.peer_rows(ggufs, binary, args.threads).items()):
+            server = llama_cpp_peer.LlamaServer(binary, server_args, work_dir=out / "llama-cpp", name=f"row{i}")
+            servers.append((name, server.start()))
+    except BaseException:
+        for _, server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+def llama_run(server, prompt_ids: list[list[int]], max_new_tokens: int):
+    def run(i: int) -> dict:
+        return server.complete(prompt_ids[i], max_new_tokens)
+
+    return run
+
+
+def vllm_rows(prompt_ids: list[list[int]], args, out: Path, skipped: dict[str, str]) -> dict[str, dict]:
+    """vLLM plain and with n-gram speculation; none, with the reason, when it cannot be installed or run."""
+    from vlmspec.reference import reference_target_dir
+
+    rows = {}
+    for ngram in (False, True):
+        name = f"vLLM {'n-gram speculation' if ngram else 'plain'}"
+        try:
+            found = run_vllm(
+                reference_target_dir(),
+                prompt_ids,
+                max_new_tokens=args.max_new_tokens,
+                dtype=args.dtype,
+                ngram=ngram,
+                threads=args.threads,
+                work_dir=out / "vllm",
+            )
+        except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+            skipped[name] = str(err).splitlines()[0]
+            print(f"[vs-peers] {name} skipped: {skipped[name]}", flush=True)
+            continue
+        rows[name] = {"tokens": found["tokens"], "seconds": found["seconds"], "acceptance": found["acceptance"]}
+    return rows
+
+
+ALONE = "vlmspec target alone (fast runner)"
+
+
+def per_class_table(tasks, results: dict) -> str:
+    """Each engine's tok/s on each prompt class, with its ratio to vlmspec's target alone on that class."""
+    classes = sorted({task.group for task in tasks})
+    rows = []
+    for name, r in results.items():
+        row = [name]
+        for group in classes:
+            picked = [i for i, task in enumerate(tasks) if task.group == group]
+            speed = tok_per_s(_subset(r, picked))
+            row.append(f"{speed:.1f} ({speed / tok_per_s(_subset(results[ALONE], picked)):.2f}x)")
+        rows.append(row)
+    return markdown_table(["engine", *classes], rows)
+
+
+def _subset(result: dict, picked: list[int]) -> dict:
+    return {"tokens": [result["tokens"][i] for i in picked], "seconds": [result["seconds"][i] for i in picked]}
+
+
+def tok_per_s(result: dict) -> float:
+    return sum(len(t) for t in result["tokens"]) / sum(result["seconds"])
+
+
+def identity_report(target, inputs, reference: list[list[int]], tokens: list[list[int]], margin: float) -> dict:
+    """Outputs equal to ``reference``; for the others, whether the first difference sits at a numerical tie."""
+    identical, ties, divergences = 0, 0, []
+    for x, ref, got in zip(inputs, reference, tokens):
+        if ref == got:
+            identical += 1
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+        top2 = top2_margin(target, x.input_ids[0].tolist() + ref[:at])
+        ties += int(top2 < margin)
+        divergences.append({"position": at, "top2_margin": top2})
+    return {"identical": identical, "ties": ties, "divergences": divergences}
+
+
+@torch.inference_mode()
+def top2_margin(target, ids: list[int]) -> float:
+    """The target's own top-2 logit margin for the token after ``ids`` (transformers' forward)."""
+    logits = target.model(input_ids=torch.tensor([ids]), logits_to_keep=1).logits[0, -1].float()
+    best = torch.topk(logits, 2).values
+    return float(best[0] - best[1])
+
+
+if __name__ == "__main__":
+    main()
