@@ -120,3 +120,20 @@ def test_a_machine_without_a_compiler_falls_back_with_a_warning_and_stays_lossle
     done = subprocess.run(command, env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     assert not list((tmp_path / "cache").rglob("*.so"))  # nothing was built, so the child ran the fallback
+
+
+def test_a_build_lock_left_by_a_dead_build_is_removed_and_a_fresh_one_is_kept(tmp_path):
+    import time
+
+    from vlmspec.kernels.cpu_kernels import STALE_LOCK_S, _remove_stale_lock
+
+    fresh, stale = tmp_path / "fresh", tmp_path / "stale"
+    fresh.touch()
+    stale.touch()
+    old = time.time() - STALE_LOCK_S - 60
+    os.utime(stale, (old, old))
+    with pytest.warns(RuntimeWarning, match="did not finish"):
+        _remove_stale_lock(stale)
+    _remove_stale_lock(fresh)  # a build may hold it right now: left alone, silently
+    _remove_stale_lock(tmp_path / "missing")
+    assert fresh.exists() and not stale.exists()

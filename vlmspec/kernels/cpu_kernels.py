@@ -57,6 +57,7 @@ import functools
 import hashlib
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -227,6 +228,7 @@ def _build_and_load() -> None:
         return
     build_dir = _build_directory()
     build_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_lock(build_dir / "lock")
     name = "vlmspec_cpu_kernels"
     if not (build_dir / f"{name}.so").exists():
         print("vlmspec: compiling the CPU matrix-vector kernel, once per machine (about 20 s)", file=sys.stderr)
@@ -238,6 +240,26 @@ def _build_and_load() -> None:
         is_python_module=False,
         verbose=False,
     )
+
+
+# A build takes about 20 s on 2 cores (a few minutes on a loaded machine); a lock older than this was left
+# by a build that died (killed, out of memory), and torch's loader would wait for it forever.
+STALE_LOCK_S = 900
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    """Delete a build lock that no live build can hold any more (see STALE_LOCK_S), saying so."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        warnings.warn(
+            f"removing {lock}, left {age / 60:.0f} minutes ago by a kernel build that did not finish; building again",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        lock.unlink(missing_ok=True)
 
 
 def _kernel_loaded() -> bool:
