@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import llama_cpp_peer
+from benchmarks import llama_cpp_peer, vs_peers
 from benchmarks.common import markdown_table, prepare_out_dir, rotated, write_json, write_text
 from benchmarks.spec.workloads import skimage_open_tasks
 
@@ -211,7 +211,14 @@ def report(target, inputs, results: dict, skipped: dict[str, str], lengths: list
         if not r["tokens"]:
             continue
         picked = list(range(len(r["tokens"])))
-        same = image_identity(target, [inputs[i] for i in picked], [alone[i] for i in picked], r["tokens"], args)
+        same = vs_peers.identity_report(
+            target,
+            [inputs[i] for i in picked],
+            [alone[i] for i in picked],
+            r["tokens"],
+            args.tie_margin,
+            image_top2_margin,
+        )
         prompt = r.get("prompt_tokens") or lengths
         rows.append(
             [
@@ -241,21 +248,8 @@ def report(target, inputs, results: dict, skipped: dict[str, str], lengths: list
 
 
 @torch.inference_mode()
-def image_identity(target, inputs, reference, tokens, args) -> dict:
-    """``vs_peers.identity_report`` for image prompts: the top-2 margin comes from a forward with the pixels."""
-    identical, ties, divergences = 0, 0, []
-    for x, ref, got in zip(inputs, reference, tokens):
-        if ref == got:
-            identical += 1
-            continue
-        at = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
-        margin = image_top2_margin(target, x, ref[:at])
-        ties += int(margin < args.tie_margin)
-        divergences.append({"position": at, "top2_margin": margin})
-    return {"identical": identical, "ties": ties, "divergences": divergences}
-
-
 def image_top2_margin(target, x, prefix: list[int]) -> float:
+    """The target's top-2 logit margin after an image prompt and ``prefix``, from a forward with the pixels."""
     kwargs = dict(x.model_kwargs)
     length = x.input_ids.shape[1]
     extra = torch.tensor([prefix], dtype=x.input_ids.dtype)

@@ -304,15 +304,23 @@ def tok_per_s(result: dict) -> float:
     return sum(len(t) for t in result["tokens"]) / sum(result["seconds"])
 
 
-def identity_report(target, inputs, reference: list[list[int]], tokens: list[list[int]], margin: float) -> dict:
-    """Outputs equal to ``reference``; for the others, whether the first difference sits at a numerical tie."""
+def identity_report(
+    target, inputs, reference: list[list[int]], tokens: list[list[int]], margin: float, top2_after=None
+) -> dict:
+    """Outputs equal to ``reference``; for the others, whether the first difference sits at a numerical tie.
+
+    ``top2_after(target, inputs[i], prefix)`` gives the target's top-2 margin after the prompt
+    and ``prefix`` (default: a text-only forward of the prompt's ids; image prompts pass theirs).
+    """
+    if top2_after is None:
+        top2_after = lambda target, x, prefix: top2_margin(target, x.input_ids[0].tolist() + prefix)  # noqa: E731
     identical, ties, divergences = 0, 0, []
     for x, ref, got in zip(inputs, reference, tokens):
         if ref == got:
             identical += 1
             continue
         at = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
-        top2 = top2_margin(target, x.input_ids[0].tolist() + ref[:at])
+        top2 = top2_after(target, x, ref[:at])
         ties += int(top2 < margin)
         divergences.append({"position": at, "top2_margin": top2})
     return {"identical": identical, "ties": ties, "divergences": divergences}
