@@ -208,6 +208,18 @@ def prepare_out_dir(path: str | os.PathLike) -> Path:
     return path
 
 
+def peer_logs_dir(out: str | os.PathLike, peer: str) -> Path:
+    """Where a peer's logs and job files go for the results in ``out``: ``runs/peer-logs/<out's name>/<peer>``.
+
+    Never beside the results: a results directory holds only what its provenance names (a
+    committed one is checked by tests/test_results_provenance.py), and server logs are
+    neither small nor reproducible. The directory is created.
+    """
+    path = Path(__file__).resolve().parents[1] / "runs" / "peer-logs" / Path(out).resolve().name / peer
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def environment_info() -> dict[str, Any]:
     """Versions that a reader needs to interpret timings (command, commit, CPU: ``write_json``'s provenance)."""
     info: dict[str, Any] = {

@@ -59,6 +59,7 @@ from benchmarks.common import (
     environment_info,
     log,
     markdown_table,
+    peer_logs_dir,
     percentile,
     plot_lines,
     prepare_out_dir,
@@ -288,7 +289,7 @@ def run_vllm_cell(variant: str, target, requests: list[dict[str, Any]], args, ou
         dtype=args.dtype,
         ngram=VLLM_VARIANTS[variant],
         threads=args.threads,
-        work_dir=out / "vllm",
+        work_dir=peer_logs_dir(out, "vllm"),
         name=f"{variant}-{len(prompts)}",
         concurrent=True,
     )
@@ -313,7 +314,7 @@ def run_llama_cell(target, requests: list[dict[str, Any]], args, out: Path) -> t
         server_args,
         prompts,
         max_new_tokens=args.max_new_tokens,
-        work_dir=out / "llama-cpp",
+        work_dir=peer_logs_dir(out, "llama-cpp"),
         name=f"np{len(prompts)}",
     )
     results = []

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from benchmarks import llama_cpp_peer, vs_peers
-from benchmarks.common import markdown_table, prepare_out_dir, rotated, write_json, write_text
+from benchmarks.common import markdown_table, peer_logs_dir, prepare_out_dir, rotated, write_json, write_text
 from benchmarks.spec.workloads import skimage_open_tasks
 
 ALONE = "vlmspec target alone (fast runner)"
@@ -139,7 +139,9 @@ def start_multimodal_server(args, out: Path, skipped: dict[str, str]):
         text, mmproj = llama_cpp_peer.reference_multimodal_ggufs(args.dtype, llama_cpp)
         server_args = llama_cpp_peer.server_args(text, args.threads, extra=("--mmproj", str(mmproj)))
         binary = llama_cpp.binary("llama-server")
-        return llama_cpp_peer.LlamaServer(binary, server_args, work_dir=out / "llama-cpp", name="mtmd").start()
+        return llama_cpp_peer.LlamaServer(
+            binary, server_args, work_dir=peer_logs_dir(out, "llama-cpp"), name="mtmd"
+        ).start()
     except (ValueError, RuntimeError, OSError) as err:
         skipped[LLAMA] = " ".join(str(err).split())[:600]
         print(f"[vs-peers images] {LLAMA} not run: {skipped[LLAMA]}", flush=True)

@@ -31,7 +31,7 @@ of the whole cell), time to first token and time per output token
 after the first (p50 / p90 / p99 over the requests), end-to-end latency, tau (from the
 responses' ``vlmspec`` field), errors, and for greedy runs whether every answer equals
 the target alone's. Writes ``serving.json``, ``serving.md``, ``serving_throughput.png``
-and ``serving_latency.png`` into ``--out``; the servers' logs go to ``--out`` too.
+and ``serving_latency.png`` into ``--out``; the servers' logs go to ``runs/peer-logs/``.
 
 The reference pair on a CPU (the default)::
 
@@ -67,6 +67,7 @@ from benchmarks.common import (
     format_number,
     log,
     markdown_table,
+    peer_logs_dir,
     percentile,
     plot_lines,
     prepare_out_dir,
@@ -157,7 +158,7 @@ def start_server(variant: str, port: int, args: argparse.Namespace, sps: str | N
     command += ["--speculate-up-to", str(args.speculate_up_to)] if variant == "threshold-capped" else []
     command += ["--port", str(port), "--served-model-name", "bench"]
     command += ["--max-batch-size", str(args.max_batch_size or max(args.levels)), "--max-queued", str(args.requests)]
-    log_file = open(out / f"server-{variant}.log", "w")  # closed by ServerProcess.stop
+    log_file = open(peer_logs_dir(out, "servers") / f"server-{variant}.log", "w")  # closed by ServerProcess.stop
     process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
     return ServerProcess(variant, f"http://127.0.0.1:{port}", process, log_file)
 
@@ -173,7 +174,7 @@ def start_vllm_server(port: int, args: argparse.Namespace, out: Path) -> ServerP
     command += ["--max-num-seqs", str(args.max_batch_size or max(args.levels)), "--seed", "0"]
     command += ["--gpu-memory-utilization", "0.3"]  # on a CPU: the share of RAM to reserve
     command += ["--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0})]
-    log_file = open(out / "server-vllm.log", "w")  # closed by ServerProcess.stop
+    log_file = open(peer_logs_dir(out, "servers") / "server-vllm.log", "w")  # closed by ServerProcess.stop
     process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=vllm_environment(args.threads))
     return ServerProcess("vllm", f"http://127.0.0.1:{port}", process, log_file)
 
@@ -191,7 +192,7 @@ def start_llama_server(port: int, args: argparse.Namespace, out: Path) -> Server
     command = [str(llama_cpp.binary("llama-server"))]
     command += llama_cpp_peer.server_args(gguf, args.threads, context=2048 * slots)
     command += ["-np", str(slots), "--alias", "bench", "--port", str(port), "--host", "127.0.0.1"]
-    log_file = open(out / "server-llama-cpp.log", "w")  # closed by ServerProcess.stop
+    log_file = open(peer_logs_dir(out, "servers") / "server-llama-cpp.log", "w")  # closed by ServerProcess.stop
     process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
     return ServerProcess("llama-cpp", f"http://127.0.0.1:{port}", process, log_file)
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import markdown_table, prepare_out_dir, write_json, write_text
+from benchmarks.common import markdown_table, peer_logs_dir, prepare_out_dir, write_json, write_text
 from benchmarks.spec.workloads import prompt_set_tasks
 from benchmarks.vllm_peer import DEFAULT_VENV, mean_acceptance_length, run_vllm
 
@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     results = {"vlmspec + DSpark": vlmspec_run(target, drafter, [t.prompt for t in tasks], args.max_new_tokens)}
     exports = export_all(drafter, target, target_dir, out / "exports")
     for name, speculative in vllm_variants(args.variants, exports, drafter.config.block_size).items():
-        results[name] = vllm_run(name, speculative, target_dir, prompts, args, out / "vllm")
+        results[name] = vllm_run(name, speculative, target_dir, prompts, args, peer_logs_dir(out, "vllm"))
     table = results_table(results, len(prompts))
     header = (
         f"target {target_dir}, drafter block {drafter.config.block_size}, {len(prompts)} prompts, "

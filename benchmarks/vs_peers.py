@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import llama_cpp_peer
-from benchmarks.common import markdown_table, prepare_out_dir, rotated, write_json, write_text
+from benchmarks.common import markdown_table, peer_logs_dir, prepare_out_dir, rotated, write_json, write_text
 from benchmarks.spec.workloads import prompt_set_tasks
 from benchmarks.vllm_peer import run_vllm
 
@@ -238,7 +238,9 @@ def start_llama_servers(target, args, out: Path, skipped: dict[str, str]) -> lis
     servers = []
     try:
         for i, (name, server_args) in enumerate(llama_cpp_peer.peer_rows(ggufs, binary, args.threads).items()):
-            server = llama_cpp_peer.LlamaServer(binary, server_args, work_dir=out / "llama-cpp", name=f"row{i}")
+            server = llama_cpp_peer.LlamaServer(
+                binary, server_args, work_dir=peer_logs_dir(out, "llama-cpp"), name=f"row{i}"
+            )
             servers.append((name, server.start()))
     except BaseException:
         for _, server in servers:
@@ -269,7 +271,7 @@ def vllm_rows(prompt_ids: list[list[int]], args, out: Path, skipped: dict[str, s
                 dtype=args.dtype,
                 ngram=ngram,
                 threads=args.threads,
-                work_dir=out / "vllm",
+                work_dir=peer_logs_dir(out, "vllm"),
             )
         except (RuntimeError, OSError, subprocess.SubprocessError) as err:
             skipped[name] = str(err).splitlines()[0]

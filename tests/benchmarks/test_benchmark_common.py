@@ -11,6 +11,7 @@ from PIL import Image
 
 from benchmarks.common import (
     markdown_table,
+    peer_logs_dir,
     plot_grouped_bars,
     plot_lines,
     plot_stacked_bars,
@@ -93,6 +94,14 @@ def test_out_dir_must_not_be_a_file(tmp_path):
     with pytest.raises(ValueError, match="is a file"):
         prepare_out_dir(tmp_path / "f")
     assert prepare_out_dir(tmp_path / "new" / "dir").is_dir()
+
+
+def test_peer_logs_go_to_runs_never_beside_the_results(tmp_path):
+    out = tmp_path / "docs" / "results" / "vs-peers-probe"
+    logs = peer_logs_dir(out, "llama-cpp")
+    assert logs.is_dir() and logs.parts[-4:] == ("runs", "peer-logs", "vs-peers-probe", "llama-cpp")
+    assert out not in logs.parents
+    logs.rmdir()
 
 
 def test_shrink_image_keeps_aspect_and_never_enlarges():
