@@ -54,6 +54,22 @@ def test_truncated_block_keeps_the_slots_to_verify():
     assert none.gamma == 0 and none.num_tokens.tolist() == [0, 0]
 
 
+@pytest.mark.parametrize("sources", [None, ("ngram", "model")])
+def test_scattered_block_places_the_drafting_rows_and_gives_the_others_nothing(sources):
+    block = DraftBlock(
+        tokens=torch.tensor([[5, 6], [7, 0]]),  # [2, gamma=2]: the two requests that speculate
+        num_tokens=torch.tensor([2, 1]),
+        draft_probs=torch.full((2, 2, 9), 1 / 9),
+        confidences=torch.tensor([[0.9, 0.8], [0.5, 0.0]]),
+        sources=sources,
+    )
+    full = block.scattered([3, 0], total=4)
+    assert full.tokens.tolist() == [[7, 0], [0, 0], [0, 0], [5, 6]] and full.num_tokens.tolist() == [1, 0, 0, 2]
+    assert full.draft_probs.shape == (4, 2, 9) and not full.draft_probs[1:3].any()
+    assert torch.equal(full.confidences[[3, 0]], block.confidences) and not full.confidences[1:3].any()
+    assert full.sources == (None if sources is None else ("model", "none", "none", "ngram"))
+
+
 @pytest.mark.parametrize(
     "field, value, valid",
     [
@@ -71,6 +87,7 @@ def test_truncated_block_keeps_the_slots_to_verify():
         ("seed", 2**64, "[-2**63, 2**64)"),
         ("stop", "", "non-empty"),
         ("stop", ["ok", 3], "non-empty"),
+        ("speculative", 1, "True or False"),
     ],
 )
 def test_request_options_refuse_a_bad_value_naming_the_field_and_its_range(field, value, valid):

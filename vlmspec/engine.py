@@ -18,9 +18,9 @@ accepted, the confidences the scheduler saw, the committed tokens):
 
 What it does not know: Hugging Face, M-RoPE, processors (that is ``vlmspec.targets``);
 how drafts are made (``vlmspec.drafters``); acceptance rules (``vlmspec.verify``); how a
-round runs (``vlmspec.serving``). With ``speculative=False`` the request goes to a second
-host whose proposer is :class:`NoDraft`: every round verifies the anchor alone, so the
-target-only baseline runs through exactly the same code.
+round runs (``vlmspec.serving``). With ``speculative=False`` (a request option) the same host
+drafts nothing for the request: every round verifies the anchor alone, so the target-only
+baseline runs through exactly the same code, on the same KV rows.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from vlmspec.drafters.base import NoDraft, Proposer
+from vlmspec.drafters.base import Proposer
 from vlmspec.loading import load_proposer, load_target
-from vlmspec.scheduling.base import Scheduler, VerifyAll
+from vlmspec.scheduling.base import Scheduler
 from vlmspec.serving.engine import BatchEngine, StepOutput
 from vlmspec.serving.steps import SpecDecoder
 from vlmspec.serving.text import TextDeltas
@@ -53,10 +53,9 @@ class SpecEngine:
 
     def __init__(self, target: QwenVLTarget, proposer: Proposer | None = None, scheduler: Scheduler | None = None):
         self.target = target
+        # One host, so one owner of the target's KV; speculative=False is a request option it honours.
         self._host = BatchEngine(target, proposer, scheduler, max_batch_size=1)
-        # The target alone: nothing drafted, nothing to schedule; its KV rows are allocated on first use.
-        self._alone = BatchEngine(target, NoDraft(), VerifyAll(), max_batch_size=1)
-        self._outputs, self._outputs_alone = _Outputs(self._host), _Outputs(self._alone)
+        self._outputs = _Outputs(self._host)
 
     @property
     def decoder(self) -> SpecDecoder:
@@ -103,7 +102,7 @@ class SpecEngine:
         *,
         messages: list[dict] | None = None,
         options: RequestOptions | None = None,
-        speculative: bool = True,
+        speculative: bool | None = None,
         **overrides: Any,
     ) -> GenerationResult:
         """Answer ``prompt`` about ``images`` (one, several or None) with exactly the target's output.
@@ -114,7 +113,8 @@ class SpecEngine:
         Greedy (``temperature=0``) output is token for token the target's own; sampled
         output follows the target's distribution (with the same top-k / top-p).
         ``stop`` strings end generation at the token that completes one (kept in the
-        text). ``speculative=False`` runs the target alone through the same code path.
+        text). ``speculative=False`` runs the target alone through the same host (a request
+        option like the others, so it may also come in ``options``).
         A failure inside the generation is raised (``BatchEngine`` keeps it in the result).
         """
         stream = self.stream(images, prompt, messages=messages, options=options, speculative=speculative, **overrides)
@@ -129,7 +129,7 @@ class SpecEngine:
         *,
         messages: list[dict] | None = None,
         options: RequestOptions | None = None,
-        speculative: bool = True,
+        speculative: bool | None = None,
         **overrides: Any,
     ) -> GenerationStream:
         """Like :meth:`generate`, but iterate over the result to get text as it is committed.
@@ -140,9 +140,10 @@ class SpecEngine:
         Several streams may be open on one engine: each yields its own request's output
         (their requests take turns on the engine, in the order they were opened).
         """
-        outputs = self._outputs if speculative else self._outputs_alone
-        request_id = outputs.host.add_request(images, prompt, messages=messages, options=options, **overrides)
-        return GenerationStream(outputs, request_id)
+        if speculative is not None:  # a named option, as max_new_tokens=... is (None: what options say)
+            overrides["speculative"] = speculative
+        request_id = self._host.add_request(images, prompt, messages=messages, options=options, **overrides)
+        return GenerationStream(self._outputs, request_id)
 
 
 class _Outputs:

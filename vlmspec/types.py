@@ -79,6 +79,9 @@ class RequestOptions(SamplingParams):
     max_new_tokens: int = 128  # most tokens to generate (EOS included)
     seed: int = 0  # seeds the request's own torch.Generator: its draws do not depend on other requests
     stop: tuple[str, ...] = ()  # generation ends at the token that completes one (a str or a list is accepted)
+    # False: the target alone (nothing drafted) through the same host, on the same KV rows: the baseline
+    # SpecEngine.generate(..., speculative=False) runs, and a host's way to serve one request undrafted.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -86,6 +89,8 @@ class RequestOptions(SamplingParams):
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not _is_integer(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64) (torch.Generator's seeds), got {self.seed!r}")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be True or False, got {self.speculative!r}")
         object.__setattr__(self, "stop", _stop_strings(self.stop))  # frozen: the one normalisation
 
     @classmethod
@@ -207,6 +212,34 @@ class DraftBlock:
         sources = None if self.sources is None else tuple(self.sources[int(i)] for i in index)
         return DraftBlock(
             pick(self.tokens), pick(self.num_tokens), pick(self.draft_probs), pick(self.confidences), sources
+        )
+
+    def scattered(self, rows: Sequence[int], total: int) -> DraftBlock:
+        """This block of ``len(rows)`` requests placed at ``rows`` of a block of ``total``; the others draft nothing.
+
+        Rows not in ``rows`` get no drafts (``num_tokens`` 0; source ``"none"`` where the
+        proposer names sources): how a step holds requests that do not speculate beside ones that do.
+        """
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+
+        def place(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            full = t.new_zeros((total, *t.shape[1:]))
+            full[index.to(t.device)] = t
+            return full
+
+        sources = None
+        if self.sources is not None:  # a proposer that names its sources: the other rows' is "none"
+            sources = ["none"] * total
+            for i, row in enumerate(index.tolist()):
+                sources[row] = self.sources[i]
+        return DraftBlock(
+            place(self.tokens),
+            place(self.num_tokens),
+            place(self.draft_probs),
+            place(self.confidences),
+            None if sources is None else tuple(sources),
         )
 
     def truncated(self, lengths: torch.Tensor) -> DraftBlock:

@@ -192,6 +192,19 @@ def test_prompt_lookup_and_the_target_alone_batched_are_lossless(make_target, as
     assert all(r.stats.tau == 1.0 for r in alone)
 
 
+def test_requests_that_do_not_speculate_share_the_batch_and_never_reach_the_proposer(make_target, astronaut, coffee):
+    target = make_target("qwen2_5_vl")
+    requests = request_list(astronaut, coffee)
+    expected = alone_outputs(target, requests)
+    drafter = scripted(target, requests, expected)
+    for row in (1, 3):
+        requests[row]["speculative"] = False
+    results = BatchEngine(target, drafter, max_batch_size=3).generate_many(requests)
+    assert [r.token_ids for r in results] == expected
+    assert [r.stats.drafted > 0 for r in results] == [True, False, True, False, True]
+    assert len(drafter.states) == 3  # the proposer opened state for the three that speculate, and no others
+
+
 def test_prefills_wait_for_the_token_budget_while_requests_run_and_outputs_stay_exact(make_target, astronaut, coffee):
     target = make_target("qwen2_5_vl")
     requests = request_list(astronaut, coffee)

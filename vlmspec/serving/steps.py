@@ -239,7 +239,8 @@ class SpecDecoder:
         logits = prefill.logits.reshape(1, -1)  # [1, V]
         first = int(sample(target_probs(logits, request.params), [request.generator])[0])
         committed = request.commit([first])
-        request.draft_state = self.proposer.new_state()
+        # A request that does not speculate never reaches the proposer: no drafter state, no spans kept for it.
+        request.draft_state = self.proposer.new_state() if request.options.speculative else None
         request.update = ContextUpdate(
             token_ids=prefill.token_ids.reshape(-1).cpu(),
             positions=prefill.positions.reshape(-1).cpu(),
@@ -251,8 +252,19 @@ class SpecDecoder:
 
     # ---------------------------------------------------------------- steps
     def propose(self, requests: Sequence[SpecRequest]) -> DraftBlock:
-        """Drafts for every request in one proposer call: tokens [R, gamma], num_tokens [R], confidences [R, gamma]."""
+        """Drafts for every request in one proposer call: tokens [R, gamma], num_tokens [R], confidences [R, gamma].
+
+        Requests with ``speculative=False`` are left out of the call and get no drafts.
+        """
         _check_running(requests)
+        drafting = [row for row, request in enumerate(requests) if request.options.speculative]
+        if not drafting:
+            return self.skip_drafting(requests)
+        if len(drafting) < len(requests):
+            return self._propose([requests[row] for row in drafting]).scattered(drafting, len(requests))
+        return self._propose(requests)
+
+    def _propose(self, requests: Sequence[SpecRequest]) -> DraftBlock:  # every request speculates
         drafts = self.proposer.propose(
             [r.draft_state for r in requests],
             [ContextUpdate.joined([*r.skipped_updates, r.update]) for r in requests],
@@ -414,7 +426,7 @@ class SpecDecoder:
                 anchor=committed[-1],
                 anchor_position=int(plan.positions[row, accepted]) + 1,
             )
-            if not request.update_proposed:  # this step skipped drafting: keep its span for the proposer
+            if not request.update_proposed and request.options.speculative:  # skipped: keep the span for the proposer
                 request.skipped_updates.append(request.update)
             request.update, request.update_proposed = update, False
             confidences = _row_confidences(plan.drafts.confidences, row)
