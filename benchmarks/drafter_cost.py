@@ -47,6 +47,7 @@ from benchmarks.common import (
     write_text,
 )
 from vlmspec.drafters.dspark import HEAD_KINDS, DraftContextCache, DSparkConfig, DSparkDrafter
+from vlmspec.targets.ragged import RaggedBatch
 
 STAGES = ("append", "backbone", "lm_head", "head_loop", "confidence")
 
@@ -178,7 +179,7 @@ def measure(target, args: argparse.Namespace) -> tuple[list[dict], dict]:
                         samples[kind].append(times)
                 if batch == 1:
                     for n in (1, gamma + 1):
-                        seconds = time_target_forward(target, target_state, n)
+                        seconds = time_target_forward(target_state, n)
                         if step:
                             target_samples.setdefault(n, []).append(seconds)
             for kind in heads:
@@ -201,23 +202,24 @@ def measure(target, args: argparse.Namespace) -> tuple[list[dict], dict]:
                 )
         del drafters, caches
     target_times = {n: statistics.median(v) for n, v in sorted(target_samples.items())}
-    return rows, {"context": target_state.length, "forward_s": target_times}
+    return rows, {"context": int(target_state.lengths[0]), "forward_s": target_times}
 
 
-def open_target_request(target, args: argparse.Namespace):
-    """A target request with ~``args.context`` prompt tokens and the default drafter's feature hooks."""
+def open_target_request(target, args: argparse.Namespace) -> RaggedBatch:
+    """The runner with one row of ~``args.context`` prompt tokens and the default drafter's feature hooks."""
     prompt = " ".join(["the picture shows a small boat on a calm lake"] * max(args.context // 10, 1))
     layers = DSparkConfig.for_target(target).target_layer_ids
-    state, _ = target.prefill(target.build_inputs(None, prompt), feature_layers=layers)
-    return state
+    batch = RaggedBatch(target, feature_layers=layers)
+    batch.prefill([target.build_inputs(None, prompt).input_ids[0]])  # the runner's own prefill, as a host's
+    return batch
 
 
 @torch.inference_mode()
-def time_target_forward(target, state, n: int) -> float:
-    """Seconds for one n-token target forward (features hooked) and the rollback that undoes it."""
+def time_target_forward(batch: RaggedBatch, n: int) -> float:
+    """Seconds for one n-token target forward of the runner (features hooked) and the rollback that undoes it."""
     t0 = _tick()
-    target.verify(state, [785] * n)
-    target.rollback(state, keep=0)
+    batch.verify(torch.full((1, n), 785, dtype=torch.long), torch.tensor([n]))
+    batch.advance([0])
     return _tick() - t0
 
 

@@ -15,7 +15,6 @@ import torch
 from vlmspec.scheduling.profiling import profile_forward
 from vlmspec.scheduling.tables import BatchSPSTable, SPSTable
 from vlmspec.targets.adapter import QwenVLTarget
-from vlmspec.targets.inputs import TargetInputs
 from vlmspec.targets.ragged import RaggedBatch
 
 FILLER = "The quick brown fox jumps over the lazy dog while the committee reviews the quarterly report. "
@@ -40,9 +39,8 @@ def profile_target(
             f"context_length must lie in [1, {target.max_context - max_tokens}) for this model, got {context_length}"
         )
     ids = filler_ids(target, context_length)
-    state, _ = target.prefill(TargetInputs(ids, {"input_ids": ids}, num_images=0))
     batch = RaggedBatch(target, initial_capacity=context_length + max_tokens)
-    batch.add(state)
+    batch.prefill([ids[0]])  # the runner's own prefill: the row a host would have
     probe = ids[0, :max_tokens].cpu()[None]  # [1, max_tokens]
 
     def forward(n: int) -> None:
@@ -81,13 +79,11 @@ def profile_target_batched(
             f"context_length must lie in [1, {target.max_context - gamma - 1}) for this model, got {context_length}"
         )
     ids = filler_ids(target, context_length)
-    state, _ = target.prefill(TargetInputs(ids, {"input_ids": ids}, num_images=0))
     probe = ids[0, : 1 + gamma].cpu()
     curves = []
     for num_requests in counts:
         batch = RaggedBatch(target, initial_capacity=context_length + gamma + 1)
-        for _ in range(num_requests):
-            batch.add(state)
+        batch.prefill([ids[0]] * num_requests)  # every row the same context, in one packed forward
 
         def forward(num_tokens: int, batch: RaggedBatch = batch, rows: int = num_requests) -> None:
             per_row = spread(num_tokens, rows)  # [R]
