@@ -97,11 +97,12 @@ def test_out_dir_must_not_be_a_file(tmp_path):
 
 
 def test_peer_logs_go_to_runs_never_beside_the_results(tmp_path):
-    out = tmp_path / "docs" / "results" / "vs-peers-probe"
+    out = tmp_path / "docs" / "results" / f"probe-{tmp_path.name}"
     logs = peer_logs_dir(out, "llama-cpp")
-    assert logs.is_dir() and logs.parts[-4:] == ("runs", "peer-logs", "vs-peers-probe", "llama-cpp")
+    assert logs.is_dir() and logs.parts[-4:] == ("runs", "peer-logs", out.name, "llama-cpp")
     assert out not in logs.parents
     logs.rmdir()
+    logs.parent.rmdir()
 
 
 def test_shrink_image_keeps_aspect_and_never_enlarges():
