@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -20,6 +21,59 @@
 #include <vector>
 
 namespace vlmspec_cpu {
+
+// ---- how a kernel splits its tasks over the threads ----------------------------------------
+// A kernel called on its own forks the threads and joins them (at::parallel_for). Inside the
+// native step (cpu_step.cpp: every layer of a step in one parallel region), the threads are
+// already running as a team: each takes its own share of the same call, and the step puts a
+// barrier between calls. A task's arithmetic never depends on which thread runs it or how the
+// range was split, so both ways compute the same values bit for bit.
+struct Team {
+  int64_t member, size;
+  std::atomic<int64_t>* counters;  // [4] zeroed: split_dynamic's shared task counters, reused in turn
+};
+inline thread_local const Team* current_team = nullptr;
+inline thread_local int64_t team_dynamic_calls = 0;  // split_dynamic calls this member has made in the team
+
+// fn(begin, end) over [begin, end): at::parallel_for's split (and its rule that a range of at most
+// `grain` tasks runs on one thread), or, in a team, this member's contiguous share.
+template <typename F>
+void split_tasks(int64_t begin, int64_t end, int64_t grain, const F& fn) {
+  const Team* team = current_team;
+  if (team == nullptr) {
+    at::parallel_for(begin, end, grain, fn);
+    return;
+  }
+  const int64_t count = end - begin;
+  if (count <= 0) return;
+  if (count <= grain || team->size == 1) {  // one thread's work: the first member does it
+    if (team->member == 0) fn(begin, end);
+    return;
+  }
+  const int64_t share = (count + team->size - 1) / team->size;
+  const int64_t first = begin + team->member * share, last = std::min(end, first + share);
+  if (first < last) fn(first, last);
+}
+
+// Like split_tasks, but in a team the chunks of `chunk` tasks are pulled from a shared counter, so
+// the thread that reads memory faster takes more of them instead of waiting at the barrier after
+// the call (the threads' shares of a linear's weights arrive at different speeds). Every member
+// must make the same split_dynamic calls in the same order, with at least one barrier between two
+// calls: the counter of call k is reset by the first member during call k - 2.
+template <typename F>
+void split_dynamic(int64_t begin, int64_t end, int64_t grain, int64_t chunk, const F& fn) {
+  const Team* team = current_team;
+  if (team == nullptr) {
+    at::parallel_for(begin, end, grain, fn);
+    return;
+  }
+  const int64_t call = team_dynamic_calls++;
+  if (team->member == 0) team->counters[(call + 2) % 4].store(0, std::memory_order_relaxed);
+  std::atomic<int64_t>& next = team->counters[call % 4];
+  for (int64_t first = begin + chunk * next.fetch_add(1, std::memory_order_relaxed); first < end;
+       first = begin + chunk * next.fetch_add(1, std::memory_order_relaxed))
+    fn(first, std::min(end, first + chunk));
+}
 
 inline float to_float(float v) { return v; }
 
@@ -102,6 +156,13 @@ at::Tensor pack_weight(const at::Tensor& weight);
 at::Tensor packed_linear_op(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                             const std::optional<at::Tensor>& bias);
 
+// The packed linear on raw pointers (x [M, K] with K the packed weight's padded K, out [M, N], both
+// in the weight's dtype), for the native step; the bias, if any, as packed_linear_bias_ready accepts.
+void packed_linear_into(const at::Tensor& packed, int64_t out_features, const at::Tensor* bias, const void* x,
+                        int64_t M, void* out);
+bool packed_linear_bias_ready(const at::Tensor& packed, const at::Tensor& bias);  // contiguous, its dtype or float32
+bool cpu_has_avx512();
+
 // Whether AVX512-BF16 kernels may run here (cpu_linear.cpp; false under VLMSPEC_CPU_ISA=avx2).
 bool cpu_has_avx512_bf16();
 
@@ -111,5 +172,17 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
                       at::Tensor values, const at::Tensor& rows, const at::Tensor& slots, int64_t heads);
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                             const at::Tensor& rows, const at::Tensor& visible, double scaling);
+
+// The same three on raw pointers into tensors the caller checked and allocated (the native step's
+// team calls them; `grain`: tasks at or below which one thread does the call, see split_tasks).
+void rms_norm_into(const at::Tensor& weight, const void* x, int64_t rows, int64_t d, double eps, void* out,
+                   int64_t grain);
+void rope_write_into(const void* qkv, const void* cos, const void* signed_sin, const at::Tensor& keys,
+                     const at::Tensor& values, const int64_t* rows, const int64_t* slots, int64_t B, int64_t heads,
+                     void* q, int64_t grain);
+int64_t attention_grain(int64_t seen, int64_t H, int64_t hd, int64_t B);  // decode_attention's (seen: keys read)
+void attention_into(const void* query, bool bf16_q, const at::Tensor& keys, const at::Tensor& values,
+                    const int64_t* rows, const int64_t* visible, int64_t B, int64_t H, double scaling, int64_t grain,
+                    void* out);
 
 }  // namespace vlmspec_cpu

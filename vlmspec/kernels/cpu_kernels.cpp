@@ -13,8 +13,8 @@ namespace {
 // + eps), rounded to x's dtype, then times the weight, rounded again.
 
 template <typename T>
-void rms_norm_rows(const T* x, const T* weight, int64_t rows, int64_t d, float eps, T* out) {
-  for (int64_t r = 0; r < rows; ++r) {
+void rms_norm_rows(const T* x, const T* weight, int64_t first, int64_t last, int64_t d, float eps, T* out) {
+  for (int64_t r = first; r < last; ++r) {
     const T* row = x + r * d;
     float sum = 0.0f;
     for (int64_t j = 0; j < d; ++j) sum += static_cast<float>(row[j]) * static_cast<float>(row[j]);
@@ -36,14 +36,22 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   at::Tensor out = at::empty_like(xc);
   const int64_t d = xc.size(-1), rows = d ? xc.numel() / d : 0;
-  if (x.scalar_type() == at::kFloat) {
-    rms_norm_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), rows, d, static_cast<float>(eps), out.data_ptr<float>());
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rms_norm: float32 or bfloat16, got ", x.scalar_type());
-    rms_norm_rows(xc.data_ptr<at::BFloat16>(), wc.data_ptr<at::BFloat16>(), rows, d, static_cast<float>(eps),
-                  out.data_ptr<at::BFloat16>());
-  }
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "rms_norm: float32 or bfloat16, got ",
+              x.scalar_type());
+  rms_norm_into(wc, xc.data_ptr(), rows, d, eps, out.data_ptr(), rows);  // one thread: a few rows of a few hundred
   return out;
+}
+
+void rms_norm_into(const at::Tensor& weight, const void* x, int64_t rows, int64_t d, double eps, void* out,
+                   int64_t grain) {
+  split_tasks(0, rows, grain, [&](int64_t first, int64_t last) {
+    if (weight.scalar_type() == at::kFloat)
+      rms_norm_rows(static_cast<const float*>(x), weight.data_ptr<float>(), first, last, d, static_cast<float>(eps),
+                    static_cast<float*>(out));
+    else
+      rms_norm_rows(static_cast<const at::BFloat16*>(x), weight.data_ptr<at::BFloat16>(), first, last, d,
+                    static_cast<float>(eps), static_cast<at::BFloat16*>(out));
+  });
 }
 
 namespace {
@@ -150,7 +158,7 @@ template <typename Q, typename T>
 void attend_all(const Q* query, const T* keys, const T* values, const int64_t* rows, const int64_t* visible,
                 int64_t B, int64_t H, int64_t Hkv, int64_t slots, int64_t hd, float scaling, Q* out, int64_t grain) {
   const int64_t group = H / Hkv;
-  at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
+  split_tasks(0, B * H, grain, [&](int64_t begin, int64_t end) {
     AttentionScratch& scratch = attention_scratch(slots, hd);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / H, h = task % H;
@@ -344,7 +352,7 @@ void attend_all(const uint16_t* query, const uint16_t* keys, const uint16_t* val
   const int64_t group = H / Hkv;
   const int64_t per_task = B == 1 ? 1 : std::min<int64_t>(3, group);
   const int64_t tasks_per_kv = (group + per_task - 1) / per_task, tasks_per_token = Hkv * tasks_per_kv;
-  at::parallel_for(0, B * tasks_per_token, grain == 1 ? 1 : B * tasks_per_token + 1, [&](int64_t begin, int64_t end) {
+  split_tasks(0, B * tasks_per_token, grain == 1 ? 1 : B * tasks_per_token + 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / tasks_per_token, kv = task % tasks_per_token / tasks_per_kv;
       const int64_t first = kv * group + task % tasks_per_kv * per_task;
@@ -414,26 +422,39 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
     seen += vp[b];
   }
   at::Tensor out = at::empty({B, H, hd}, q.options());
-  const float scale = static_cast<float>(scaling);
-  const int64_t grain = seen * H * hd < kAttentionSerialWork ? B * H + 1 : 1;
-  const bool bf16_kv = keys.scalar_type() == at::kBFloat16, bf16_q = q.scalar_type() == at::kBFloat16;
-  const auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
-  if (bf16_kv && bf16_q && cpu_has_avx512_bf16() &&
-      avx512_attention::attend_bf16(bits(q), bits(keys), bits(values), rp, vp, B, H, Hkv, slots, hd, scale, bits(out),
-                                    grain))
-    return out;
-  if (bf16_kv && bf16_q)
-    attend_all(bits(q), bits(keys), bits(values), rp, vp, B, H, Hkv, slots, hd, scale, bits(out), grain);
-  else if (bf16_kv)
-    attend_all(q.data_ptr<float>(), bits(keys), bits(values), rp, vp, B, H, Hkv, slots, hd, scale,
-               out.data_ptr<float>(), grain);
-  else if (bf16_q)
-    attend_all(bits(q), keys.data_ptr<float>(), values.data_ptr<float>(), rp, vp, B, H, Hkv, slots, hd, scale,
-               bits(out), grain);
-  else
-    attend_all(q.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), rp, vp, B, H, Hkv, slots, hd,
-               scale, out.data_ptr<float>(), grain);
+  attention_into(q.data_ptr(), q.scalar_type() == at::kBFloat16, keys, values, rp, vp, B, H, scaling,
+                 attention_grain(seen, H, hd, B), out.data_ptr());
   return out;
+}
+
+int64_t attention_grain(int64_t seen, int64_t H, int64_t hd, int64_t B) {
+  return seen * H * hd < kAttentionSerialWork ? B * H + 1 : 1;
+}
+
+void attention_into(const void* query, bool bf16_q, const at::Tensor& keys, const at::Tensor& values,
+                    const int64_t* rp, const int64_t* vp, int64_t B, int64_t H, double scaling, int64_t grain,
+                    void* out) {
+  const int64_t Hkv = keys.size(1), slots = keys.size(2), hd = keys.size(3);
+  const float scale = static_cast<float>(scaling);
+  const bool bf16_kv = keys.scalar_type() == at::kBFloat16;
+  const auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+  const uint16_t* q16 = static_cast<const uint16_t*>(query);
+  const float* q32 = static_cast<const float*>(query);
+  uint16_t* out16 = static_cast<uint16_t*>(out);
+  float* out32 = static_cast<float*>(out);
+  if (bf16_kv && bf16_q && cpu_has_avx512_bf16() &&
+      avx512_attention::attend_bf16(q16, bits(keys), bits(values), rp, vp, B, H, Hkv, slots, hd, scale, out16, grain))
+    return;
+  if (bf16_kv && bf16_q)
+    attend_all(q16, bits(keys), bits(values), rp, vp, B, H, Hkv, slots, hd, scale, out16, grain);
+  else if (bf16_kv)
+    attend_all(q32, bits(keys), bits(values), rp, vp, B, H, Hkv, slots, hd, scale, out32, grain);
+  else if (bf16_q)
+    attend_all(q16, keys.data_ptr<float>(), values.data_ptr<float>(), rp, vp, B, H, Hkv, slots, hd, scale, out16,
+               grain);
+  else
+    attend_all(q32, keys.data_ptr<float>(), values.data_ptr<float>(), rp, vp, B, H, Hkv, slots, hd, scale, out32,
+               grain);
 }
 
 namespace {
@@ -472,18 +493,23 @@ inline void rotate_head(const T* x, const T* cos, const T* sin, int64_t hd, T* o
   }
 }
 
+// Tasks [first, last) of B * (H + Hkv): task (b, h) rotates query head h of token b (h < H), or
+// rotates its key head h - H into its slot and copies the value head beside it.
 template <typename T>
-void rope_write_rows(const T* qkv, const T* cos, const T* sin, T* keys, T* values, const int64_t* rows,
-                     const int64_t* slots, int64_t B, int64_t H, int64_t Hkv, int64_t slots_cap, int64_t hd, T* q) {
+void rope_write_heads(const T* qkv, const T* cos, const T* sin, T* keys, T* values, const int64_t* rows,
+                      const int64_t* slots, int64_t first, int64_t last, int64_t H, int64_t Hkv, int64_t slots_cap,
+                      int64_t hd, T* q) {
   const int64_t width = (H + 2 * Hkv) * hd;
-  for (int64_t b = 0; b < B; ++b) {
+  for (int64_t task = first; task < last; ++task) {
+    const int64_t b = task / (H + Hkv), h = task % (H + Hkv);
     const T* x = qkv + b * width;
-    for (int64_t h = 0; h < H; ++h) rotate_head(x + h * hd, cos + b * hd, sin + b * hd, hd, q + (b * H + h) * hd);
-    for (int64_t g = 0; g < Hkv; ++g) {
-      const int64_t at = ((rows[b] * Hkv + g) * slots_cap + slots[b]) * hd;
-      rotate_head(x + (H + g) * hd, cos + b * hd, sin + b * hd, hd, keys + at);
-      std::memcpy(values + at, x + (H + Hkv + g) * hd, hd * sizeof(T));
+    if (h < H) {
+      rotate_head(x + h * hd, cos + b * hd, sin + b * hd, hd, q + (b * H + h) * hd);
+      continue;
     }
+    const int64_t g = h - H, at = ((rows[b] * Hkv + g) * slots_cap + slots[b]) * hd;
+    rotate_head(x + h * hd, cos + b * hd, sin + b * hd, hd, keys + at);
+    std::memcpy(values + at, x + (H + Hkv + g) * hd, hd * sizeof(T));
   }
 }
 
@@ -506,20 +532,31 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
     TORCH_CHECK(r.data_ptr<int64_t>()[b] >= 0 && r.data_ptr<int64_t>()[b] < keys.size(0) &&
                     sl.data_ptr<int64_t>()[b] >= 0 && sl.data_ptr<int64_t>()[b] < slots_cap,
                 "rope_write: row or slot out of range for token ", b);
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "rope_write: float32 or bfloat16, got ", x.scalar_type());
   at::Tensor q = at::empty({B, heads, hd}, x.options());
-  if (x.scalar_type() == at::kFloat) {
-    rope_write_rows(x.data_ptr<float>(), c.data_ptr<float>(), sn.data_ptr<float>(), keys.data_ptr<float>(),
-                    values.data_ptr<float>(), r.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), B, heads, Hkv, slots_cap,
-                    hd, q.data_ptr<float>());
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rope_write: float32 or bfloat16, got ", x.scalar_type());
-    const auto bits = [](auto* p) { return reinterpret_cast<uint16_t*>(p); };
-    rope_write_rows<uint16_t>(bits(x.data_ptr<at::BFloat16>()), bits(c.data_ptr<at::BFloat16>()),
-                              bits(sn.data_ptr<at::BFloat16>()), bits(keys.data_ptr<at::BFloat16>()),
-                              bits(values.data_ptr<at::BFloat16>()), r.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), B,
-                              heads, Hkv, slots_cap, hd, bits(q.data_ptr<at::BFloat16>()));
-  }
+  const int64_t tasks = B * (heads + Hkv);
+  rope_write_into(x.data_ptr(), c.data_ptr(), sn.data_ptr(), keys, values, r.data_ptr<int64_t>(),
+                  sl.data_ptr<int64_t>(), B, heads, q.data_ptr(), tasks);  // one thread: a few heads of 64
   return q;
+}
+
+void rope_write_into(const void* qkv, const void* cos, const void* signed_sin, const at::Tensor& keys,
+                     const at::Tensor& values, const int64_t* rows, const int64_t* slots, int64_t B, int64_t heads,
+                     void* q, int64_t grain) {
+  const int64_t Hkv = keys.size(1), slots_cap = keys.size(2), hd = keys.size(3);
+  split_tasks(0, B * (heads + Hkv), grain, [&](int64_t first, int64_t last) {
+    if (keys.scalar_type() == at::kFloat) {
+      rope_write_heads(static_cast<const float*>(qkv), static_cast<const float*>(cos),
+                       static_cast<const float*>(signed_sin), keys.data_ptr<float>(), values.data_ptr<float>(), rows,
+                       slots, first, last, heads, Hkv, slots_cap, hd, static_cast<float*>(q));
+    } else {
+      const auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+      rope_write_heads(static_cast<const uint16_t*>(qkv), static_cast<const uint16_t*>(cos),
+                       static_cast<const uint16_t*>(signed_sin), bits(keys), bits(values), rows, slots, first, last,
+                       heads, Hkv, slots_cap, hd, static_cast<uint16_t*>(q));
+    }
+  });
 }
 
 }  // namespace vlmspec_cpu

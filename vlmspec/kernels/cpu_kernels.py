@@ -38,6 +38,11 @@ layers over 256 cached keys take about 0.3 ms for one token and 1.3 ms for eight
 :func:`rope_write` rotates q and k and writes the new K/V in one call.
 :func:`decoder_layers` runs every decoder layer of a step in one call: these kernels, called
 from C++ in the Python loop's order (``cpu_step.cpp``; see :mod:`vlmspec.targets.packed`).
+Where every linear is packed (AVX-512), the whole step runs in one parallel region: the
+threads make the same kernel calls as a team, each its share (a linear's blocks pulled from
+a shared counter), with a barrier between calls instead of a fork and a join per call, into
+buffers allocated once per step; bit for bit the same results (``VLMSPEC_STEP_TEAM=0``
+keeps a region per call, for comparison).
 
 The kernels (``cpu_linear.cpp``, ``cpu_kernels.cpp``, ``cpu_step.cpp``, ``cpu_common.h``) are
 compiled on first use, once per machine and torch version, into ``$VLMSPEC_CACHE/kernels``
@@ -68,6 +73,9 @@ from vlmspec.paths import default_cache_dir
 KERNEL_ENV = "VLMSPEC_CPU_KERNEL"
 # "avx2" holds an AVX-512 CPU to the AVX2 kernels (read by the kernel at each call): for tests and A/B timings.
 ISA_ENV = "VLMSPEC_CPU_ISA"
+# "0" keeps the native layer loop's fork-join form (a parallel region per kernel call) instead of one
+# region for the whole step with a barrier between calls (read at every step): for A/B timings.
+STEP_TEAM_ENV = "VLMSPEC_STEP_TEAM"
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_linear.cpp", "cpu_step.cpp"))
 HEADER = Path(__file__).with_name("cpu_common.h")
 # Measured on the AVX2 EPYC, a pass over every linear of the reference target: the kernel

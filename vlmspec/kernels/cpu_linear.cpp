@@ -360,15 +360,15 @@ inline void packed_rows(const T* x, int64_t M, int64_t ldx, const T* w, int64_t 
 }
 
 // x [M, K] (K padded to kPerStep) times packed weights of N outputs, plus the bias: out [M, N] in T.
-// Each thread takes an even share of the blocks of 16 outputs (at::parallel_for splits the range
-// into one chunk per thread), in groups of four blocks for one row (four independent sums hide
+// Each thread takes an even share of the blocks of 16 outputs (split_tasks: one chunk per
+// thread), in groups of four blocks for one row (four independent sums hide
 // the FMA latency) or three for more (24 accumulators for 8 rows), then the leftovers.
 template <typename T>
 void packed_linear(const T* x, int64_t M, int64_t K, const T* w, int64_t N, T* out, const Epilogue& epilogue) {
   const int64_t steps = K / Packed<T>::kPerStep, blocks = (N + kBlock - 1) / kBlock;
   const int64_t block_elems = steps * kBlock * Packed<T>::kPerStep;
   const int64_t group = M == 1 ? 4 : 3;
-  at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
+  split_dynamic(0, blocks, 8, group, [&](int64_t begin, int64_t end) {
     for (int64_t first = begin; first < end;) {
       const int64_t count = std::min(group, end - first), n0 = first * kBlock;
       const T* wg = w + first * block_elems;
@@ -533,6 +533,28 @@ at::Tensor pack_weight(const at::Tensor& weight) {
   return packed;
 }
 
+void packed_linear_into(const at::Tensor& packed, int64_t out_features, const at::Tensor* bias, const void* x,
+                        int64_t M, void* out) {
+  const int64_t K = packed.size(1) * packed.size(3);
+  avx512::Epilogue epilogue;
+  if (bias != nullptr) {
+    if (bias->scalar_type() == at::kFloat) epilogue.bias_f32 = bias->data_ptr<float>();
+    else epilogue.bias_bf16 = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
+  }
+  if (packed.scalar_type() == at::kBFloat16) {
+    avx512::packed_linear(static_cast<const uint16_t*>(x), M, K,
+                          reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), out_features,
+                          static_cast<uint16_t*>(out), epilogue);
+  } else {
+    avx512::packed_linear(static_cast<const float*>(x), M, K, packed.data_ptr<float>(), out_features,
+                          static_cast<float*>(out), epilogue);
+  }
+}
+
+bool packed_linear_bias_ready(const at::Tensor& packed, const at::Tensor& bias) {
+  return bias.is_contiguous() && (bias.scalar_type() == packed.scalar_type() || bias.scalar_type() == at::kFloat);
+}
+
 at::Tensor packed_linear_op(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                             const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == avx512::kBlock && x.dim() == 2,
@@ -549,22 +571,11 @@ at::Tensor packed_linear_op(const at::Tensor& x, const at::Tensor& packed, int64
   if (x.size(1) != K) xc = at::constant_pad_nd(xc, {0, K - x.size(1)});  // an odd K: pad the last pair
   at::Tensor out = at::empty({M, out_features}, x.options());
   at::Tensor b;
-  avx512::Epilogue epilogue;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == out_features, "packed_linear: bias of ", out_features, " values expected");
-    b = bias->scalar_type() == x.scalar_type() || bias->scalar_type() == at::kFloat ? bias->contiguous()
-                                                                                    : bias->to(at::kFloat).contiguous();
-    if (b.scalar_type() == at::kFloat) epilogue.bias_f32 = b.data_ptr<float>();
-    else epilogue.bias_bf16 = reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>());
+    b = packed_linear_bias_ready(packed, *bias) ? *bias : bias->to(at::kFloat).contiguous();
   }
-  if (bf16) {
-    avx512::packed_linear(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M, K,
-                          reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), out_features,
-                          reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), epilogue);
-  } else {
-    avx512::packed_linear(xc.data_ptr<float>(), M, K, packed.data_ptr<float>(), out_features, out.data_ptr<float>(),
-                          epilogue);
-  }
+  packed_linear_into(packed, out_features, bias.has_value() ? &b : nullptr, xc.data_ptr(), M, out.data_ptr());
   return out;
 }
 

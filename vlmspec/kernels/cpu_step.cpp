@@ -71,7 +71,7 @@ inline void silu_mul_8(const T* gate, const T* up, T* out) {
 template <typename T>
 void silu_mul_rows(const T* gate_up, int64_t rows, int64_t inner, T* out) {
   const int64_t blocks = (inner + 7) / 8;
-  at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
+  split_tasks(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
       const int64_t r = index / blocks, j = (index % blocks) * 8;
       const T* gate = gate_up + r * 2 * inner + j;
@@ -148,6 +148,159 @@ void check_inputs(const at::Tensor& hidden, const c10::List<std::optional<at::Te
                 layers, " layers");
 }
 
+// ---- every layer in one parallel region -----------------------------------------------------
+// The loop below forks and joins the threads at each parallel call (about six a layer), and
+// between calls one thread runs the serial pieces (allocations, ATen's adds, the calls' checks)
+// while the other waits: about a third of a bfloat16 step on the 2-core EPYC (docs/design.md
+// §21.1). The team step enters one parallel region for the whole step: both threads make the same
+// calls as a team (split_tasks: each its share), with a barrier between calls, into buffers
+// allocated once per step. The same kernels with the same arithmetic, so the results are the
+// loop's bit for bit. It takes the case where every linear is packed (AVX-512) and its input
+// width is the packed width; VLMSPEC_STEP_TEAM=0 keeps the fork-join loop (for comparison).
+
+template <typename T>
+void add_blocks(const T* a, const T* b, int64_t n, T* out) {  // out = a + b, rounded as ATen's add rounds
+  split_tasks(0, (n + 7) / 8, 64, [&](int64_t first, int64_t last) {
+    for (int64_t block = first; block < last; ++block) {
+      const int64_t j = block * 8;
+      if (j + 8 <= n) {
+        store8(out + j, round_as(out, _mm256_add_ps(load8(a + j), load8(b + j))));
+      } else {
+        for (int64_t k = j; k < n; ++k) out[k] = from_float(out, to_float(a[k]) + to_float(b[k]));
+      }
+    }
+  });
+}
+
+void add_into(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
+  if (a.scalar_type() == at::kFloat)
+    add_blocks(a.data_ptr<float>(), b.data_ptr<float>(), a.numel(), out.data_ptr<float>());
+  else
+    add_blocks(reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
+               reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>()), a.numel(),
+               reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+}
+
+void silu_mul_into(const at::Tensor& gate_up, const at::Tensor& out) {
+  const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
+  if (gate_up.scalar_type() == at::kFloat)
+    silu_mul_rows(gate_up.data_ptr<float>(), rows, inner, out.data_ptr<float>());
+  else
+    silu_mul_rows(reinterpret_cast<const uint16_t*>(gate_up.data_ptr<at::BFloat16>()), rows, inner,
+                  reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+}
+
+// One linear of the team step: its packed weight, bias and output size.
+struct TeamLinear {
+  at::Tensor packed;
+  std::optional<at::Tensor> bias;
+  int64_t out_features;
+
+  void operator()(const at::Tensor& x, const at::Tensor& out) const {
+    packed_linear_into(packed, out_features, bias ? &*bias : nullptr, x.data_ptr(), x.size(0), out.data_ptr());
+  }
+};
+struct TeamLayer {
+  at::Tensor input_norm, post_norm;
+  TeamLinear qkv, out, gate_up, down;
+};
+
+// The layers as the team step runs them, or none where it does not apply (the fork-join loop runs).
+std::vector<TeamLayer> team_layers(const at::Tensor& hidden, const c10::List<std::optional<at::Tensor>>& weights,
+                                   at::IntArrayRef out_features, at::TensorList keys, at::TensorList values,
+                                   int64_t heads) {
+  const char* setting = std::getenv("VLMSPEC_STEP_TEAM");
+  if (setting != nullptr && std::strcmp(setting, "0") == 0) return {};
+  const at::ScalarType dtype = hidden.scalar_type();
+  if (keys.empty() || hidden.size(0) == 0) return {};
+  if (dtype == at::kBFloat16 ? !cpu_has_avx512_bf16() : (dtype != at::kFloat || !cpu_has_avx512())) return {};
+  const int64_t d = hidden.size(1), hd = keys[0].size(3);
+  std::vector<TeamLayer> layers;
+  for (int64_t index = 0; index < static_cast<int64_t>(keys.size()); ++index) {
+    const LayerWeights layer{weights, index * kWeightsPerLayer, out_features.data() + index * kLinearsPerLayer};
+    if (!keys[index].is_contiguous() || !values[index].is_contiguous() || keys[index].scalar_type() != dtype ||
+        values[index].scalar_type() != dtype)
+      return {};
+    const int64_t inputs[kLinearsPerLayer] = {d, heads * hd, d, layer.out_features[kGateUpOut] / 2};
+    const WeightSlot slots[kLinearsPerLayer] = {kQkv, kOut, kGateUp, kDown};
+    TeamLinear linears[kLinearsPerLayer];
+    for (int64_t j = 0; j < kLinearsPerLayer; ++j) {
+      const at::Tensor w = layer.get(slots[j]);
+      const std::optional<at::Tensor> bias = layer.bias(static_cast<WeightSlot>(slots[j] + 1));
+      if (w.dim() != 4 || w.scalar_type() != dtype || w.size(1) * w.size(3) != inputs[j] ||
+          (bias && !packed_linear_bias_ready(w, *bias)))
+        return {};
+      linears[j] = TeamLinear{w, bias, layer.out_features[j]};
+    }
+    const at::Tensor input_norm = layer.get(kInputNorm), post_norm = layer.get(kPostNorm);
+    if (input_norm.scalar_type() != dtype || post_norm.scalar_type() != dtype || !input_norm.is_contiguous() ||
+        !post_norm.is_contiguous())
+      return {};
+    layers.push_back(TeamLayer{input_norm, post_norm, linears[0], linears[1], linears[2], linears[3]});
+  }
+  return layers;
+}
+
+std::vector<at::Tensor> team_step(const std::vector<TeamLayer>& layers, const at::Tensor& hidden,
+                                  const StepInputs& step, at::TensorList keys, at::TensorList values,
+                                  at::IntArrayRef feature_layers) {
+  const int64_t B = hidden.size(0), d = hidden.size(1), H = step.heads, hd = keys[0].size(3);
+  const int64_t inner = layers[0].gate_up.out_features / 2;
+  const at::TensorOptions options = hidden.options();
+  const at::Tensor state = hidden.clone(at::MemoryFormat::Contiguous), normed = at::empty({B, d}, options);
+  const at::Tensor qkv = at::empty({B, layers[0].qkv.out_features}, options), q = at::empty({B, H, hd}, options);
+  const at::Tensor attended = at::empty({B, H, hd}, options), projected = at::empty({B, d}, options);
+  const at::Tensor attended_rows = attended.view({B, H * hd});  // the output projection's input
+  const at::Tensor gate_up = at::empty({B, 2 * inner}, options), product = at::empty({B, inner}, options);
+  std::vector<at::Tensor> out(1 + feature_layers.size());
+  for (size_t j = 0; j < feature_layers.size(); ++j) out[1 + j] = at::empty({B, d}, options);
+  const int64_t* rows = step.rows.data_ptr<int64_t>();
+  const int64_t* slots = step.slots.data_ptr<int64_t>();
+  const int64_t* visible = step.visible.data_ptr<int64_t>();
+  const int64_t grain = attention_grain(step.visible.sum().item<int64_t>(), H, hd, B);
+  const bool bf16 = hidden.scalar_type() == at::kBFloat16;
+  std::atomic<int64_t> counters[4] = {0, 0, 0, 0};
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const Team team{omp_get_thread_num(), omp_get_num_threads(), counters};
+    current_team = &team;
+    team_dynamic_calls = 0;
+    for (size_t index = 0; index < layers.size(); ++index) {
+      const TeamLayer& layer = layers[index];
+      rms_norm_into(layer.input_norm, state.data_ptr(), B, d, step.eps, normed.data_ptr(), 1);
+#pragma omp barrier
+      layer.qkv(normed, qkv);
+#pragma omp barrier
+      rope_write_into(qkv.data_ptr(), step.cos.data_ptr(), step.signed_sin.data_ptr(), keys[index], values[index], rows,
+                      slots, B, H, q.data_ptr(), 1);
+#pragma omp barrier
+      attention_into(q.data_ptr(), bf16, keys[index], values[index], rows, visible, B, H, step.scaling, grain,
+                     attended.data_ptr());
+#pragma omp barrier
+      layer.out(attended_rows, projected);
+#pragma omp barrier
+      add_into(state, projected, state);
+#pragma omp barrier
+      rms_norm_into(layer.post_norm, state.data_ptr(), B, d, step.eps, normed.data_ptr(), 1);
+#pragma omp barrier
+      layer.gate_up(normed, gate_up);
+#pragma omp barrier
+      silu_mul_into(gate_up, product);
+#pragma omp barrier
+      layer.down(product, projected);
+#pragma omp barrier
+      add_into(state, projected, state);
+#pragma omp barrier
+      for (size_t j = 0; j < feature_layers.size(); ++j)  // read-only until the next add, two barriers on
+        if (feature_layers[j] == static_cast<int64_t>(index) && team.member == 0)
+          std::memcpy(out[1 + j].data_ptr(), state.data_ptr(), state.nbytes());
+    }
+    current_team = nullptr;
+  }
+  out[0] = state;
+  return out;
+}
+
 // hidden [B, d] after the embedding; returns [hidden after the last layer, then the hidden
 // states after each of feature_layers, in that order].
 std::vector<at::Tensor> decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& signed_sin,
@@ -161,6 +314,8 @@ std::vector<at::Tensor> decoder_layers(const at::Tensor& hidden, const at::Tenso
   const at::Tensor slot_index = slots.to(at::kLong).contiguous();
   const StepInputs step{cos.contiguous(), signed_sin.contiguous(), rows.to(at::kLong).contiguous(), slot_index,
                         slot_index + 1, heads, eps, scaling};
+  const std::vector<TeamLayer> team = team_layers(hidden, weights, out_features, keys, values, heads);
+  if (!team.empty()) return team_step(team, hidden, step, keys, values, feature_layers);
   std::vector<at::Tensor> out(1 + feature_layers.size());
   at::Tensor state = hidden.contiguous();
   for (int64_t index = 0; index < static_cast<int64_t>(keys.size()); ++index) {
