@@ -13,10 +13,10 @@
 # Optimizer state, caches and checkpoints stay in RUN and are never committed: a chunk starts with a
 # fresh optimizer from the committed drafter.
 #
-# Stages (each about 1-2 hours of this 2-core CPU; recipes/README.md "The 10x run" has the estimates):
-#   1. regeneration, SHARD_PROMPTS (8192) more training prompts a stage: the committed answers are
-#      replayed into RUN/cache in minutes, the next prompts of the seeded order are regenerated, and
-#      their answers are written as the next answers-NNNNN.npz;
+# Stages (each under 2 hours of this 2-core CPU; recipes/README.md "The 10x run" has the measured costs):
+#   1. regeneration, SHARD_PROMPTS (2048: about 45 minutes with the machine to itself) more training
+#      prompts a stage: the committed answers are replayed into RUN/cache in minutes, the next prompts
+#      of the seeded order are regenerated, and their answers are written as the next answers-NNNNN.npz;
 #   2. once every prompt is answered, training chunks of CHUNK_STEPS (6000) steps of the DSpark drafter
 #      (one sequence, up to 128 anchor blocks a step, features online, bf16 autocast, first-error focus),
 #      warm-started from the committed drafter; the recipe measures free-running greedy tau on the 16
@@ -29,7 +29,7 @@ ANSWERS=recipes/data/reference-10x
 SHIPPED=vlmspec/assets/reference-drafter/dspark
 source "$STATE"
 RUN="${RUN:-$HOME/.cache/vlmspec/runs/reference-10x}"
-SHARD_PROMPTS="${SHARD_PROMPTS:-8192}"
+SHARD_PROMPTS="${SHARD_PROMPTS:-2048}"
 CHUNK_STEPS="${CHUNK_STEPS:-6000}"
 HELDOUT=16
 
