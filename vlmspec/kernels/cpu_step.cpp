@@ -314,7 +314,10 @@ std::vector<at::Tensor> decoder_layers(const at::Tensor& hidden, const at::Tenso
   const at::Tensor slot_index = slots.to(at::kLong).contiguous();
   const StepInputs step{cos.contiguous(), signed_sin.contiguous(), rows.to(at::kLong).contiguous(), slot_index,
                         slot_index + 1, heads, eps, scaling};
-  const std::vector<TeamLayer> team = team_layers(hidden, weights, out_features, keys, values, heads);
+  const bool same_dtype = step.cos.scalar_type() == hidden.scalar_type() &&
+                         step.signed_sin.scalar_type() == hidden.scalar_type();  // the team reads them raw
+  const std::vector<TeamLayer> team =
+      same_dtype ? team_layers(hidden, weights, out_features, keys, values, heads) : std::vector<TeamLayer>{};
   if (!team.empty()) return team_step(team, hidden, step, keys, values, feature_layers);
   std::vector<at::Tensor> out(1 + feature_layers.size());
   at::Tensor state = hidden.contiguous();
