@@ -21,6 +21,8 @@
 #      (one sequence, up to 128 anchor blocks a step, features online, bf16 autocast, first-error focus),
 #      warm-started from the committed drafter; the recipe measures free-running greedy tau on the 16
 #      held-out prompts before and after, and the drafter is shipped (float16) only if it went up.
+#      NEXT=train runs a chunk before regeneration has finished, on the prompts answered so far (their own
+#      cache, replayed from the committed answers, so a chunk trains on exactly what the repository holds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source recipes/reference_mix.sh
@@ -31,6 +33,8 @@ source "$STATE"
 RUN="${RUN:-$HOME/.cache/vlmspec/runs/reference-10x}"
 SHARD_PROMPTS="${SHARD_PROMPTS:-2048}"
 CHUNK_STEPS="${CHUNK_STEPS:-6000}"
+TRAIN_THREADS="${TRAIN_THREADS:-2}"  # the stage has the machine to itself
+NEXT="${NEXT:-}"                     # "train": a chunk on the prompts answered so far
 HELDOUT=16
 
 if [[ ! -f "$RUN/prompts/prompts.jsonl" ]]; then  # seeded: every machine writes the same mix
@@ -40,7 +44,7 @@ TOTAL=$(( $(wc -l < "$RUN/prompts/prompts.jsonl") - HELDOUT ))
 
 # The reference drafters' data and shape (train_reference_drafters.sh); --answers replays what is committed.
 COMMON=(--target reference --prompts "$RUN/prompts/prompts.jsonl" --heldout-prompts "$HELDOUT"
-        --max-new-tokens 256 --temperature 0 --cache "$RUN/cache" --cache-contents tokens --answers "$ANSWERS"
+        --max-new-tokens 256 --temperature 0 --cache-contents tokens --answers "$ANSWERS"
         --shard-size 256 --regen-dtype bfloat16 --block-size 7 --draft-layers 2 --head-rank 64 --draft-vocab 8192)
 
 write_state() {  # REGENERATED TRAINED IMPROVED
@@ -48,10 +52,10 @@ write_state() {  # REGENERATED TRAINED IMPROVED
       -e "s/^IMPROVED_CHUNKS=[0-9]*/IMPROVED_CHUNKS=$3/" "$STATE"
 }
 
-if (( REGENERATED_PROMPTS < TOTAL )); then
+if [[ "$NEXT" != train ]] && (( REGENERATED_PROMPTS < TOTAL )); then
   next=$(( REGENERATED_PROMPTS + SHARD_PROMPTS < TOTAL ? REGENERATED_PROMPTS + SHARD_PROMPTS : TOTAL ))
   echo "10x run: regeneration stage, training prompts $REGENERATED_PROMPTS -> $next of $TOTAL"
-  python3 recipes/train_qwen3vl.py "${COMMON[@]}" --num-prompts "$next" --dtype bfloat16 --regen-batch-size 64 \
+  python3 recipes/train_qwen3vl.py "${COMMON[@]}" --cache "$RUN/cache" --num-prompts "$next" --dtype bfloat16 --regen-batch-size 64 \
       --threads 2 --cache-only --out "$RUN/cache-build"
   write_state "$next" "$TRAINED_CHUNKS" "$IMPROVED_CHUNKS"
   echo "commit it: git add $STATE $ANSWERS && git commit -m \"10x run: answers of $next training prompts\""
@@ -59,8 +63,10 @@ if (( REGENERATED_PROMPTS < TOTAL )); then
 fi
 
 chunk=$(( TRAINED_CHUNKS + 1 ))
-echo "10x run: training chunk $chunk ($CHUNK_STEPS steps), warm-started from $SHIPPED"
-OMP_NUM_THREADS=1 python3 recipes/train_qwen3vl.py "${COMMON[@]}" --init-from "$SHIPPED" --dtype float32 --threads 1 \
+echo "10x run: training chunk $chunk ($CHUNK_STEPS steps) on $REGENERATED_PROMPTS answered prompts, warm-started from $SHIPPED"
+# Its own cache: exactly the committed answers, replayed (RUN/cache may hold shards of an unfinished stage).
+OMP_NUM_THREADS="$TRAIN_THREADS" python3 recipes/train_qwen3vl.py "${COMMON[@]}" --cache "$RUN/chunk-$chunk-cache" \
+    --num-prompts "$REGENERATED_PROMPTS" --init-from "$SHIPPED" --dtype float32 --threads "$TRAIN_THREADS" \
     --steps "$CHUNK_STEPS" --batch-size 1 --num-anchors 128 --lr 1e-3 --warmup-ratio 0.01 --mixed-precision bf16 \
     --chunk-tokens 1024 --eval-every 1000 --eval-sequences 32 --save-every 250 --log-every 50 \
     --eval-max-new-tokens 64 --loss-focus first-error --out "$RUN/chunk-$chunk"
