@@ -79,6 +79,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="top-2 logit margin that counts as a tie (default: the forwards' measured logit differences, "
         "about 1e-4 in float32 and 0.6 in bfloat16 on the reference target: 1e-3 and 1.0)",
     )
+    parser.add_argument(
+        "--previous-drafter",
+        type=Path,
+        default=None,
+        help="also run DSpark every round and the defaults with this DSpark drafter directory (its own "
+        "calibration), e.g. the one a retrained drafter replaces: before and after in the same run",
+    )
     parser.add_argument("--out", default="runs/vs-peers")
     return parser.parse_args(argv)
 
@@ -93,20 +100,13 @@ def main(argv: Sequence[str] | None = None) -> Path:
 
         return run_images(args)
     from vlmspec import SpecEngine
-    from vlmspec.loading import load_proposer, load_target
-    from vlmspec.reference import reference_drafter_dir, reference_sps_table
-    from vlmspec.scheduling.factory import build_scheduler
+    from vlmspec.loading import load_target
+    from vlmspec.reference import reference_drafter_dir
 
     out = prepare_out_dir(args.out)
     tasks = [t for path in args.prompt_set or PROMPT_SETS for t in prompt_set_tasks(path, args.num_questions)]
     target = load_target("reference", dtype=args.dtype)
-    # The reference pair's serving defaults: SPS on this dtype's measured curve, calibrated confidences;
-    # the default drafter ("reference": n-gram copies and DSpark under the drafting policy), and DSpark alone.
-    scheduler = build_scheduler(
-        "sps", sps=reference_sps_table(args.dtype), calibration=reference_drafter_dir("reference")
-    )
-    engine = SpecEngine(target, load_proposer("reference", target), scheduler)
-    dspark = SpecEngine(target, load_proposer("reference-dspark", target), scheduler)
+    engine, dspark = drafter_engines(target, reference_drafter_dir("reference"), args.dtype)
     inputs = [target.build_inputs(None, task.prompt) for task in tasks]
     prompt_ids = [x.input_ids[0].tolist() for x in inputs]
 
@@ -129,9 +129,13 @@ def main(argv: Sequence[str] | None = None) -> Path:
         "transformers prompt lookup": hf_generate(prompt_lookup_num_tokens=10, max_matching_ngram_size=2),
         "vlmspec target alone (reference forward)": vlmspec_run("reference", False),
         ALONE: vlmspec_run("fast", False),
-        "vlmspec + DSpark every round, SPS": vlmspec_run("fast", True, dspark),
-        "vlmspec defaults: n-gram + corpus + DSpark, drafting policy, SPS": vlmspec_run("fast", True),
+        DSPARK_EVERY_ROUND: vlmspec_run("fast", True, dspark),
+        DEFAULTS: vlmspec_run("fast", True),
     }
+    if args.previous_drafter is not None:
+        old_defaults, old_dspark = drafter_engines(target, args.previous_drafter, args.dtype)
+        variants[f"{DSPARK_EVERY_ROUND} (previous drafter)"] = vlmspec_run("fast", True, old_dspark)
+        variants[f"{DEFAULTS} (previous drafter)"] = vlmspec_run("fast", True, old_defaults)
     skipped: dict[str, str] = {}
     servers = [] if args.no_llama_cpp else start_llama_servers(target, args, out, skipped)
     for name, server in servers:
@@ -192,6 +196,33 @@ def main(argv: Sequence[str] | None = None) -> Path:
     )
     write_json(out / "results.json", {"args": vars(args), "skipped": skipped, "results": report})
     return out
+
+
+DSPARK_EVERY_ROUND = "vlmspec + DSpark every round, SPS"
+DEFAULTS = "vlmspec defaults: n-gram + corpus + DSpark, drafting policy, SPS"
+
+
+def drafter_engines(target, drafter_dir: Path, dtype: str):
+    """(defaults, DSpark every round) around the DSpark drafter in ``drafter_dir``, its calibration in the scheduler.
+
+    The reference pair's serving defaults: SPS on this dtype's measured curve, the drafter's calibrated
+    confidences; the defaults add n-gram and corpus copies under the drafting policy.
+    """
+    from vlmspec import SpecEngine
+    from vlmspec.drafters.dspark import DSparkDrafter, DSparkProposer
+    from vlmspec.loading import reference_hybrid
+    from vlmspec.reference import reference_sps_table
+    from vlmspec.scheduling.factory import build_scheduler
+
+    if not (Path(drafter_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"{drafter_dir} holds no DSpark drafter (config.json); pass a saved drafter directory")
+    scheduler = build_scheduler("sps", sps=reference_sps_table(dtype), calibration=drafter_dir)
+
+    def proposer() -> DSparkProposer:  # one per engine: a proposer keeps its requests' drafting state
+        return DSparkProposer(DSparkDrafter.from_pretrained(drafter_dir, target=target))
+
+    defaults = SpecEngine(target, reference_hybrid(proposer(), target), scheduler)
+    return defaults, SpecEngine(target, proposer(), scheduler)
 
 
 HEADERS = [

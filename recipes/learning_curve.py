@@ -12,6 +12,14 @@ block is 1 + the number of leading positions whose argmax equals the target's, w
 what a greedy round with the full block verified would accept, given the true context.
 
     python recipes/learning_curve.py --run runs/ref2/dspark --run runs/ref2/dflash --out runs/ref2/curve
+
+A warm-started run (a chunk of the 10x run, ``--init-from``) continues its starting drafter's
+curve: ``--start-tokens`` gives the block positions that drafter had already seen, and
+``--previous`` draws the curves of an earlier ``learning_curve.json`` beside it (their run
+directories need not exist any more):
+
+    python recipes/learning_curve.py --previous recipes/results/learning_curve.json \
+        --run RUN/chunk-1 --name "DSpark chunk 1" --start-tokens 1805321 --out recipes/results
 """
 
 from __future__ import annotations
@@ -36,8 +44,8 @@ def block_size(run: Path) -> int:
     raise FileNotFoundError(f"{run} holds no drafter config.json: is it an OUT directory of train_qwen3vl.py?")
 
 
-def read_curve(run: Path) -> dict[str, Any]:
-    """The run's evaluation records as curves over training tokens."""
+def read_curve(run: Path, start_tokens: int = 0) -> dict[str, Any]:
+    """The run's evaluation records as curves over training tokens (plus ``start_tokens`` of a warm start)."""
     metrics = run / "metrics.jsonl"
     if not metrics.is_file():
         raise FileNotFoundError(f"no metrics.jsonl in {run}")
@@ -52,7 +60,8 @@ def read_curve(run: Path) -> dict[str, Any]:
         "run": str(run),
         "gamma": gamma,
         "steps": [p["step"] for p in points],
-        "train_tokens": [p["train_blocks"] * gamma for p in points],
+        "start_tokens": start_tokens,
+        "train_tokens": [start_tokens + p["train_blocks"] * gamma for p in points],
         "greedy_tau": [p.get("greedy_tau") for p in points],
         "expected_tau": [p["expected_tau"] for p in points],
         "top1_by_position": [p["top1_by_position"] for p in points],
@@ -60,16 +69,31 @@ def read_curve(run: Path) -> dict[str, Any]:
     }
 
 
+def previous_curves(path: Path) -> dict[str, Any]:
+    """The curves of an earlier ``learning_curve.json`` (its provenance record left out)."""
+    return {name: c for name, c in json.loads(path.read_text()).items() if isinstance(c, dict) and "train_tokens" in c}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", action="append", type=Path, required=True, help="OUT directory of a training run")
     parser.add_argument("--name", action="append", default=None, help="label per --run (default: directory name)")
+    parser.add_argument(
+        "--start-tokens",
+        action="append",
+        type=int,
+        default=None,
+        help="per --run: block positions its starting drafter had already seen (a warm start; default 0)",
+    )
+    parser.add_argument("--previous", type=Path, default=None, help="an earlier learning_curve.json to draw as well")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     names = args.name or [run.name for run in args.run]
-    if len(names) != len(args.run):
-        raise SystemExit("give one --name per --run, or none")
-    curves = {name: read_curve(run) for name, run in zip(names, args.run)}
+    starts = args.start_tokens or [0] * len(args.run)
+    if len(names) != len(args.run) or len(starts) != len(args.run):
+        raise SystemExit("give one --name (and one --start-tokens) per --run, or none")
+    curves = previous_curves(args.previous) if args.previous else {}
+    curves.update({name: read_curve(run, start) for name, run, start in zip(names, args.run, starts)})
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "learning_curve.json", curves)
     series = {}

@@ -15,15 +15,19 @@ from pathlib import Path
 import pytest
 
 from benchmarks import llama_cpp_peer, vllm_peer, vs_peers
+from vlmspec.reference import reference_drafter_dir
 
 PROMPTS = "tests/fixtures/mt-bench-mini.jsonl"
 
 
 def test_a_tiny_run_without_peers_writes_the_table_and_counts_identity(tmp_path):
     argv = ["--prompt-set", PROMPTS, "--num-questions", "1", "--max-new-tokens", "6", "--no-vllm", "--no-llama-cpp"]
-    out = vs_peers.main([*argv, "--out", str(tmp_path)])
+    previous = ["--previous-drafter", str(reference_drafter_dir("reference"))]  # before and after: the rows exist
+    out = vs_peers.main([*argv, *previous, "--out", str(tmp_path)])
     table = (out / "table.md").read_text()
     assert "transformers generate()" in table and "vlmspec target alone (fast runner)" in table
+    assert f"{vs_peers.DEFAULTS} (previous drafter)" in table
+    assert f"{vs_peers.DSPARK_EVERY_ROUND} (previous drafter)" in table
     assert "vs best exact llama.cpp" in table and "## Provenance" in table
     results = json.loads((out / "results.json").read_text())["results"]
     for name, result in results.items():

@@ -124,6 +124,12 @@ def test_recipe_smoke_run_trains_a_drafter_that_beats_the_untrained_one(target, 
     assert curve["steps"] == [30, 60] and curve["train_tokens"][0] < curve["train_tokens"][1]
     assert len(curve["top1_by_position"][0]) == 4 and curve["heldout_free_running"]["tau"] == trained["tau"]
     assert {p.name for p in (tmp_path / "curve").iterdir()} >= {"learning_curve.json", "learning_curve_tau.png"}
+    # a warm-started chunk continues that curve: its tokens start where the earlier run's ended
+    chunk = ["--run", str(out), "--name", "chunk", "--start-tokens", str(curve["train_tokens"][-1])]
+    extended = load_script(LEARNING_CURVE).main(
+        ["--previous", str(tmp_path / "curve" / "learning_curve.json"), *chunk, "--out", str(tmp_path / "curve2")]
+    )
+    assert list(extended) == ["run", "chunk"] and extended["chunk"]["train_tokens"][0] > curve["train_tokens"][-1]
     # running again reuses the cache and resumes from the final checkpoint: nothing to redo
     again = recipe.main([*SMOKE, "--out", str(out), "--skip-untrained-eval"], target=target)
     assert again["cache"]["regenerated_prompts"] == 0 and again["training"]["steps"] == 60
