@@ -19,7 +19,7 @@
 #      the committed answers are replayed into RUN/cache in minutes, the next prompts of the seeded order
 #      are regenerated, and their answers are written as the next answers-NNNNN.npz;
 #   a training chunk, whenever prompts were answered since the last chunk (and, once every prompt is
-#      answered, every stage): CHUNK_STEPS (6000, about 1.6 hours) steps of the DSpark drafter on the
+#      answered, every stage): CHUNK_STEPS (6000, about 1.7 hours with its held-out decoding) steps of the DSpark drafter on the
 #      prompts answered so far (one sequence, up to 128 anchor blocks a step, features online, bf16
 #      autocast, first-error focus) in their own cache replayed from the committed answers, warm-started
 #      from the committed drafter with a fresh optimizer; the recipe measures free-running greedy tau on
