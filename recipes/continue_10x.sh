@@ -15,7 +15,7 @@
 #
 # Stages (each under 2 hours of this 2-core CPU; recipes/README.md "The 10x run" has the measured costs),
 # alternating so that every session can run one of each and the drafter learns from the answers as they come:
-#   regeneration, SHARD_PROMPTS (2048: about 45 minutes with the machine to itself) more training prompts:
+#   regeneration, SHARD_PROMPTS (2048: 15-45 minutes, by what else runs) more training prompts:
 #      the committed answers are replayed into RUN/cache in minutes, the next prompts of the seeded order
 #      are regenerated, and their answers are written as the next answers-NNNNN.npz;
 #   a training chunk, whenever prompts were answered since the last chunk (and, once every prompt is
@@ -30,6 +30,9 @@ cd "$(dirname "$0")/.."
 source recipes/reference_mix.sh
 STATE=recipes/reference_10x.state
 ANSWERS=recipes/data/reference-10x
+# The chunks' held-out cached sequences, by id: chunk 1's seeded 32, so every chunk evaluates on the same
+# sequences and none trains on them (or on their other turns) however many prompts are answered.
+EVAL_IDS=$ANSWERS/eval-ids.txt
 SHIPPED=vlmspec/assets/reference-drafter/dspark
 source "$STATE"
 RUN="${RUN:-$HOME/.cache/vlmspec/runs/reference-10x}"
@@ -89,7 +92,7 @@ echo "10x run: training chunk $chunk ($CHUNK_STEPS steps) on $REGENERATED_PROMPT
 OMP_NUM_THREADS="$TRAIN_THREADS" python3 recipes/train_qwen3vl.py "${COMMON[@]}" --cache "$RUN/chunk-$chunk-cache" \
     --num-prompts "$REGENERATED_PROMPTS" --init-from "$SHIPPED" --dtype float32 --threads "$TRAIN_THREADS" \
     --steps "$CHUNK_STEPS" --batch-size 1 --num-anchors 128 --lr 1e-3 --warmup-ratio 0.01 --mixed-precision bf16 \
-    --chunk-tokens 1024 --eval-every 1000 --eval-sequences 32 --save-every 250 --log-every 50 \
+    --chunk-tokens 1024 --eval-every 1000 --eval-ids "$EVAL_IDS" --save-every 250 --log-every 50 \
     --eval-max-new-tokens 64 --loss-focus first-error --out "$RUN/chunk-$chunk"
 # "untrained" is the starting drafter, measured on the same held-out prompts in the same run.
 if python3 - "$RUN/chunk-$chunk/report.json" <<'EOF'

@@ -170,6 +170,12 @@ def _training_options(group) -> None:
     add("--mixed-precision", default="auto", choices=("auto", "no", "bf16", "fp16"), help="auto: bf16 where supported")
     add("--eval-every", type=int, default=200, help="steps between evaluations on held-out cached sequences (0: end)")
     add("--eval-sequences", type=int, default=32, help="cached sequences held out for evaluation")
+    add(
+        "--eval-ids",
+        type=Path,
+        help="a file naming the held-out cached sequences, one id a line (a staged run's split: stable as its "
+        "cache grows; their other turns are held out too); replaces --eval-sequences",
+    )
     add("--save-every", type=int, default=500, help="steps between checkpoints (0: end)")
     add("--log-every", type=int, default=10, help="steps between metrics.jsonl records")
     add("--num-workers", type=int, default=0, help="DataLoader workers per process")
@@ -273,8 +279,21 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         mixed_precision=args.mixed_precision,
         eval_every=args.eval_every,
         eval_sequences=args.eval_sequences,
+        eval_ids=read_eval_ids(args.eval_ids),
         save_every=args.save_every,
         log_every=args.log_every,
         seed=args.seed,
         num_workers=args.num_workers,
     )
+
+
+def read_eval_ids(path: Path | None) -> tuple[str, ...]:
+    """The held-out sequence ids in ``path`` (one a line, blank lines ignored); () without a file."""
+    if path is None:
+        return ()
+    if not path.is_file():
+        raise FileNotFoundError(f"--eval-ids {path}: no such file; name a file with one cached sequence id a line")
+    ids = tuple(line.strip() for line in path.read_text().splitlines() if line.strip())
+    if not ids:
+        raise ValueError(f"--eval-ids {path} names no sequence; put one cached sequence id on each line")
+    return ids

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from training_helpers import tiny_drafter
 from vlmspec.drafters.dspark import DSparkDrafter
 from vlmspec.training import TrainConfig, Trainer, latest_checkpoint
 from vlmspec.training.schedule import warmup_cosine
+from vlmspec.training.trainer import heldout_split
 
 
 def config(**overrides) -> TrainConfig:
@@ -90,3 +92,29 @@ def test_bad_training_options_are_refused(target, small_cache, tmp_path):
     trainer = Trainer(tiny_drafter(target), small_cache, tmp_path, config(steps=1))
     with pytest.raises(ValueError, match="not a training checkpoint"):
         trainer.load_checkpoint(tmp_path)
+
+
+def test_heldout_split_by_ids_is_stable_as_the_cache_grows():
+    first = [f"prompts:{i}#0" for i in range(40)] + ["prompts:3#1"]
+    held = ("prompts:3#0", "prompts:17#0")
+    grown = ["prompts:99#0", *reversed(first), "prompts:41#0"]  # more answers, another order
+    for ids in (first, grown):
+        train, evaluation = heldout_split(ids, 32, 0, held)
+        assert [ids[i] for i in evaluation] == list(held)  # the named ones, in the named order
+        names = {ids[i] for i in train}
+        assert not names & {"prompts:3#0", "prompts:3#1", "prompts:17#0"}  # nor their other turns
+        assert len(train) == len(ids) - 3
+    with pytest.raises(ValueError, match="not in the cache"):
+        heldout_split(first, 32, 0, ("prompts:77#0",))
+
+
+def test_heldout_split_without_ids_is_seeded_and_at_most_a_fifth():
+    ids = [f"s{i}" for i in range(20)]
+    train, evaluation = heldout_split(ids, 32, 0)
+    assert len(evaluation) == 4 and sorted(train + evaluation) == list(range(20))
+    assert heldout_split(ids, 32, 0) == (train, evaluation) != heldout_split(ids, 32, 1)
+
+
+def test_the_10x_runs_held_out_sequences_are_named_once():
+    ids = (Path(__file__).parents[2] / "recipes/data/reference-10x/eval-ids.txt").read_text().split()
+    assert len(ids) == len(set(ids)) == 32 and all(i.startswith("prompts:") and "#" in i for i in ids)

@@ -25,6 +25,7 @@ import math
 import resource
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ class TrainConfig:
     mixed_precision: str = "auto"  # auto (bf16 on GPUs that support it) | no | bf16 | fp16
     eval_every: int = 200  # steps; 0 = only at the end
     eval_sequences: int = 32  # cached sequences held out for evaluation
+    eval_ids: tuple[str, ...] = ()  # held out by name instead (stable as a cache grows); see heldout_split
     save_every: int = 500  # steps; 0 = only at the end
     keep_checkpoints: int = 2
     log_every: int = 10
@@ -91,6 +93,39 @@ def resolve_mixed_precision(choice: str) -> str:
     if choice != "auto":
         return choice
     return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
+
+def heldout_split(
+    ids: Sequence[str], eval_sequences: int, seed: int, eval_ids: Sequence[str] = ()
+) -> tuple[list[int], list[int]]:
+    """(train indices, held-out indices) into a cache whose sequences are named ``ids``.
+
+    Without ``eval_ids``: a seeded random ``eval_sequences`` of the cache (at most a fifth) are held
+    out. That set depends on the cache's size and order, so a cache that grows holds out other
+    sequences, some of which an earlier run trained on. A staged run names its held-out sequences
+    instead (``eval_ids``, in that order): they are held out whatever else the cache holds, and so
+    are the other turns of their conversations (a second turn's context is the first turn's answer),
+    so no stage trains on what any stage evaluates on.
+    """
+    if not eval_ids:
+        order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed)).tolist()
+        held = min(eval_sequences, len(ids) // 5)  # never more than a fifth of the cache
+        return sorted(order[held:]), sorted(order[:held])
+    position = {name: i for i, name in enumerate(ids)}
+    missing = [name for name in eval_ids if name not in position]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} of the {len(eval_ids)} held-out sequences named by eval_ids are not in the cache "
+            f"(first: {missing[:3]}); build the cache from the prompts they come from, or name others"
+        )
+    conversations = {_conversation(name) for name in eval_ids}
+    train = [i for i, name in enumerate(ids) if _conversation(name) not in conversations]
+    return train, [position[name] for name in eval_ids]
+
+
+def _conversation(sequence_id: str) -> str:
+    """The conversation a cached sequence belongs to: its id without the turn (``prompts:17#1`` -> ``prompts:17``)."""
+    return sequence_id.rsplit("#", 1)[0]
 
 
 class DraftLossModule(nn.Module):
@@ -217,13 +252,12 @@ class Trainer:
 
     def _datasets(self, cache: TargetCache) -> tuple[PackedDataset, PackedDataset | None]:
         config = self.config
-        order = torch.randperm(len(cache), generator=torch.Generator().manual_seed(config.seed)).tolist()
-        held = min(config.eval_sequences, len(cache) // 5)  # never more than a fifth of the cache
+        train_indices, eval_indices = heldout_split(cache.ids, config.eval_sequences, config.seed, config.eval_ids)
         options = dict(
             num_anchors=config.num_anchors, block_size=self.drafter.block_size, context_window=config.context_window
         )
-        train = PackedDataset(cache, sorted(order[held:]), seed=config.seed, **options)
-        evaluation = PackedDataset(cache, sorted(order[:held]), seed=config.seed + 1, **options) if held else None
+        train = PackedDataset(cache, train_indices, seed=config.seed, **options)
+        evaluation = PackedDataset(cache, eval_indices, seed=config.seed + 1, **options) if eval_indices else None
         return train, evaluation
 
     def _loader(self, dataset: PackedDataset, shuffle: bool) -> torch.utils.data.DataLoader:
