@@ -9,7 +9,7 @@ with its provenance (command, commit, date, CPU model and flags, threads), so a 
 quoted from it can be traced to the machine and code that measured it.
 
 Timing conventions: wall-clock ``time.perf_counter``; variants compared against each
-other are run *interleaved* (``rotated``) within one process so that drift (thermal
+other are run *interleaved* (``run_order``) within one process so that drift (thermal
 throttling, other users of the machine, allocator warm-up) hits all of them alike, and
 ratios are always computed between numbers measured in the same run.
 """
@@ -57,15 +57,20 @@ class Timer:
         self.seconds = time.perf_counter() - self.start
 
 
-def rotated(variants: Sequence[T], step: int) -> list[T]:
-    """``variants`` rotated left by ``step``: the run order for item ``step`` of an interleaved A/B(/C...) benchmark.
+def run_order(variants: Sequence[T], step: int) -> list[T]:
+    """The run order of ``variants`` for item ``step`` of an interleaved A/B(/C...) benchmark.
 
-    With two variants this alternates A-B, B-A, A-B, ... so neither always runs first.
+    Items come in pairs: item ``2k`` runs the variants rotated left by ``k``, item ``2k + 1`` the same
+    rotation reversed. So every pair of variants runs in both orders equally often, whatever their
+    places in the list. (A plain rotation runs B right after A in all but one item of every
+    ``len(variants)``: the row that always runs second inherits what the one before it left in caches
+    and clocks.) Over ``2 * len(variants)`` items every variant runs at every place twice.
     """
     if not variants:
         return []
-    k = step % len(variants)
-    return list(variants[k:]) + list(variants[:k])
+    k = (step // 2) % len(variants)
+    order = list(variants[k:]) + list(variants[:k])
+    return order[::-1] if step % 2 else order
 
 
 # --------------------------------------------------------------------------- numbers

@@ -21,7 +21,7 @@ GSM8K's: the entries no drafter trains on, ``vlmspec.data.heldout``):
   ``/completion`` by C client threads at once, streamed; the same restrictions as ``vllm``.
   A peer that is missing (llama.cpp not built, vLLM not installable) is skipped, with the reason.
 
-Variants run interleaved (rotated) at every level, in one process, so ratios compare
+Variants run interleaved (run_order) at every level, in one process, so ratios compare
 numbers measured side by side. Reported per run: output tokens per second (all new
 tokens / wall time, prefills included), the ratio to ``alone`` at the same level and mode,
 tau, verified drafts per request per step, time to first token (from the cell's start: all C
@@ -63,7 +63,7 @@ from benchmarks.common import (
     percentile,
     plot_lines,
     prepare_out_dir,
-    rotated,
+    run_order,
     safe_ratio,
     write_json,
     write_text,
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
             requests = requests_for(tasks[:level], mode, args)
             best: dict[str, tuple] = {}
             for repeat in range(args.repeats):
-                for variant in rotated([v for v in args.variant_list if v not in skipped], repeat + level):
+                for variant in run_order([v for v in args.variant_list if v not in skipped], repeat + level):
                     try:
                         measured = run_variant(variant, target, proposer, table, requests, args, out, level)
                     except PEER_ERRORS as err:

@@ -42,7 +42,7 @@ from benchmarks.common import (
     markdown_table,
     plot_stacked_bars,
     prepare_out_dir,
-    rotated,
+    run_order,
     write_json,
     write_text,
 )
@@ -150,7 +150,7 @@ def time_round(
 def measure(target, args: argparse.Namespace) -> tuple[list[dict], dict]:
     """Median stage times per (head kind, gamma, batch), and target forwards timed in the same loop.
 
-    Head kinds run interleaved (rotated order each round), and at batch 1 every round
+    Head kinds run interleaved (``run_order`` each round), and at batch 1 every round
     also times one target step and one (gamma + 1)-token verify, so that drift on a
     shared machine hits all variants alike and ratios compare numbers taken together.
     """
@@ -173,7 +173,7 @@ def measure(target, args: argparse.Namespace) -> tuple[list[dict], dict]:
                 positions = torch.arange(start, start + args.span).expand(batch, -1)
                 features = torch.randn(batch, args.span, width, generator=gen)
                 start += args.span
-                for kind in rotated(heads, step):
+                for kind in run_order(heads, step):
                     times = time_round(drafters[kind], caches[kind], features, positions, args.temperature, gen)
                     if step:
                         samples[kind].append(times)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from benchmarks import llama_cpp_peer, vs_peers
-from benchmarks.common import markdown_table, peer_logs_dir, prepare_out_dir, rotated, write_json, write_text
+from benchmarks.common import markdown_table, peer_logs_dir, prepare_out_dir, run_order, write_json, write_text
 from benchmarks.spec.workloads import skimage_open_tasks
 
 ALONE = "vlmspec target alone (fast runner)"
@@ -92,7 +92,7 @@ def run_images(args) -> Path:
                 skipped[name] = f"request failed: {err!r}"[:300]
                 del variants[name], results[name]
         for i in range(len(tasks)):
-            for name in rotated(list(variants), i):
+            for name in run_order(list(variants), i):
                 try:
                     answer = variants[name](i)
                 except Exception as err:  # noqa: BLE001 - a peer's failure is reported, the others go on

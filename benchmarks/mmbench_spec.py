@@ -8,7 +8,7 @@ One command runs the same questions through
   model: plain, with ``prompt_lookup_num_tokens``, and with a small ``assistant_model``. These are
   what a user would pick instead; a configuration transformers refuses is reported, not skipped.
 
-Variants run interleaved question by question (the order rotates), with identical settings and
+Variants run interleaved question by question (``run_order``: every pair runs in both orders), with identical settings and
 seeds, so every ratio is measured within one run. Every timing is wall clock from (image, prompt)
 to generated token ids, input processing included, for all variants alike.
 

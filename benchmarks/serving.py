@@ -71,7 +71,7 @@ from benchmarks.common import (
     percentile,
     plot_lines,
     prepare_out_dir,
-    rotated,
+    run_order,
     safe_ratio,
     write_json,
     write_text,
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = []
         for level in args.levels:
             results = {}
-            for variant in rotated(args.variant_list, level):
+            for variant in run_order(args.variant_list, level):
                 wall_s, timings = asyncio.run(run_cell(f"{servers[variant].url}/v1", bodies, level))
                 results[variant] = timings
                 cell = {"concurrency": level, "variant": variant, **cell_metrics(wall_s, timings)}

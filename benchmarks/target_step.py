@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import markdown_table, plot_lines, prepare_out_dir, rotated, write_json, write_text
+from benchmarks.common import markdown_table, plot_lines, prepare_out_dir, run_order, write_json, write_text
 
 TOKEN_COUNTS = (1, 2, 4, 8)
 
@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
         backends: dict[str, str] = {}
         loops: dict[str, str] = {}
         for round_index in range(args.rounds):
-            for name in rotated(list(configs), round_index):
+            for name in run_order(list(configs), round_index):
                 times, backends[name], loops[name] = step_times(target, *configs[name], args)
                 runs[name].append(times)
             print(f"[target-step] {dtype}: round {round_index + 1}/{args.rounds} done", flush=True)

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import llama_cpp_peer
-from benchmarks.common import markdown_table, peer_logs_dir, prepare_out_dir, rotated, write_json, write_text
+from benchmarks.common import markdown_table, peer_logs_dir, prepare_out_dir, run_order, write_json, write_text
 from benchmarks.spec.workloads import prompt_set_tasks
 from benchmarks.vllm_peer import run_vllm
 
@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
             run(0)
         results = {name: {"tokens": [], "seconds": [], "tau": []} for name in variants}
         for i, _ in enumerate(tasks):
-            for name in rotated(list(variants), i):
+            for name in run_order(list(variants), i):
                 tick = time.perf_counter()
                 output = variants[name](i)
                 results[name]["seconds"].append(time.perf_counter() - tick)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from benchmarks.common import log, progress, rotated, set_postfix
+from benchmarks.common import log, progress, run_order, set_postfix
 from benchmarks.spec.aggregate import aggregate_speedup
 from benchmarks.spec.peers import Peer, describe_error, run_hf
 from benchmarks.spec.runs import QuestionResult, RunRecord, Settings, first_difference, run_engine
@@ -43,11 +43,11 @@ class Benchmark:
         return self.results
 
     def run_task(self, task: Task, step: int) -> QuestionResult:
-        """Every variant on ``task``, in rotating order, ``repeats`` times; the fastest run of each is kept."""
+        """Every variant on ``task``, in interleaved order (``run_order``), ``repeats`` times; the fastest run of each is kept."""
         seed = self.settings.seed + step
         runs: dict[str, RunRecord] = {}
         for repeat in range(self.repeats):
-            for variant in rotated(self.variants(), step + repeat):
+            for variant in run_order(self.variants(), step + repeat):
                 record = self._run(variant, task, seed)
                 if record is not None and (variant not in runs or record.seconds < runs[variant].seconds):
                     runs[variant] = record

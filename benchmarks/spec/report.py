@@ -339,7 +339,7 @@ def build_report(
         "warmup": args.warmup,
         "repeats": args.repeats,
         "image_max_side": args.image_max_side,
-        "order": "interleaved, rotating per question",
+        "order": "interleaved, order rotated and reversed per question (run_order)",
     }
     return {
         "settings": settings_record,

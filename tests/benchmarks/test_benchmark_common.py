@@ -16,7 +16,7 @@ from benchmarks.common import (
     plot_lines,
     plot_stacked_bars,
     prepare_out_dir,
-    rotated,
+    run_order,
     safe_ratio,
     shrink_image,
     summarize,
@@ -24,10 +24,18 @@ from benchmarks.common import (
 )
 
 
-def test_rotated_alternates_the_first_variant():
-    assert [rotated(["a", "b"], i)[0] for i in range(4)] == ["a", "b", "a", "b"]
-    assert rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
-    assert rotated([], 3) == []
+def test_run_order_balances_places_and_pairs():
+    variants = ["a", "b", "c", "d"]
+    orders = [run_order(variants, i) for i in range(2 * len(variants))]
+    assert orders[:2] == [["a", "b", "c", "d"], ["d", "c", "b", "a"]]
+    for v in variants:  # every variant at every place twice
+        assert sorted(order.index(v) for order in orders) == [0, 0, 1, 1, 2, 2, 3, 3]
+    for x in variants:  # every pair in both orders equally often
+        for y in variants:
+            if x != y:
+                assert sum(o.index(x) < o.index(y) for o in orders) == len(orders) // 2
+    assert [run_order(["a", "b"], i)[0] for i in range(4)] == ["a", "b", "b", "a"]
+    assert run_order([], 3) == []
 
 
 def test_safe_ratio_and_summarize_ignore_missing_values():
