@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 CARRY_LIMIT = 64 * 2**20  # bytes the device tool carries per call, the working tree included
 # The 10x plan's blocks (40,000 steps x 1 sequence) in GPU-sized steps.
 PLAN_SEQUENCES, GPU_BATCH = 40_000, 32
+EVAL_IDS = "eval-ids.txt"  # in an answers directory: the cached sequences its runs hold out, by id
 
 
 def gpu_options(args: argparse.Namespace) -> list[str]:
@@ -53,10 +54,16 @@ def gpu_options(args: argparse.Namespace) -> list[str]:
         *("--temperature", "0", "--steps", str(steps), "--batch-size", str(args.batch_size)),
         *("--num-anchors", "128", "--lr", "1e-3", "--warmup-ratio", "0.01", "--loss-focus", "first-error"),
         *("--eval-every", str(max(steps // 8, 1)), "--save-every", "0", "--log-every", str(max(steps // 50, 1))),
-        *("--eval-max-new-tokens", "64", "--eval-sequences", str(args.eval_sequences)),
+        *("--eval-max-new-tokens", "64", *heldout_options(args)),
         *(("--init-from", str(args.init_from)) if args.init_from else ()),
         *args.recipe_options,
     ]
+
+
+def heldout_options(args: argparse.Namespace) -> tuple[str, ...]:
+    """The held-out split: the answers' named sequences (``eval-ids.txt``, the staged run's) if they name any."""
+    named = args.answers / EVAL_IDS
+    return ("--eval-ids", str(named)) if named.is_file() else ("--eval-sequences", str(args.eval_sequences))
 
 
 def carry_plan(paths: Sequence[Path], repo: Path = REPO) -> dict[str, Any]:
@@ -89,7 +96,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="default: the 10x plan's 40,000 sequences")
     parser.add_argument("--heldout-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--eval-sequences", type=int, default=32)
+    parser.add_argument(
+        "--eval-sequences", type=int, default=32, help=f"held out at random when the answers hold no {EVAL_IDS}"
+    )
     parser.add_argument(
         "--plan", action="append", type=Path, default=[], help="only add up what a device call would carry"
     )

@@ -54,3 +54,14 @@ def test_the_carry_plan_counts_the_working_tree_and_the_extra_paths(tmp_path):
     plan = script.carry_plan([tmp_path / "weights.bin"])
     assert plan["carried"] == {str(tmp_path / "weights.bin"): 1000}
     assert plan["tree"] > 2**20 and plan["total"] == plan["tree"] + 1000 and plan["limit"] == 64 * 2**20
+
+
+def test_the_gpu_script_holds_out_the_sequences_its_answers_name(tmp_path):
+    script = load_script(SCRIPT)
+    argv = ["--target", "tiny:qwen2_5_vl", "--prompts", "p.jsonl", "--out", str(tmp_path / "o")]
+    args = script.parse_args([*argv, "--answers", str(tmp_path)])
+    assert script.heldout_options(args) == ("--eval-sequences", "32")
+    (tmp_path / "eval-ids.txt").write_text("prompts:1#0\n")
+    assert script.heldout_options(args) == ("--eval-ids", str(tmp_path / "eval-ids.txt"))
+    committed = script.parse_args(argv)  # the 10x run's answers name chunk 1's held-out sequences
+    assert script.gpu_options(committed)[-2:] == ["--eval-ids", str(committed.answers / "eval-ids.txt")]
