@@ -37,6 +37,7 @@ T = TypeVar("T")
 
 # A palette that stays readable in grey print and for common colour-vision deficiencies.
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000")
+MARKERS = ("o", "s", "^", "D")
 
 
 # --------------------------------------------------------------------------- timing
@@ -351,8 +352,14 @@ def plot_lines(
         points = [(x, y) for x, y in zip(xs, ys) if y is not None and math.isfinite(y)]
         if not points:
             continue
+        cycle = k // len(PALETTE)  # past the palette's colours, the marker and dash tell series apart
         axes.plot(
-            [x for x, _ in points], [y for _, y in points], marker="o", label=name, color=PALETTE[k % len(PALETTE)]
+            [x for x, _ in points],
+            [y for _, y in points],
+            marker=MARKERS[cycle % len(MARKERS)],
+            linestyle="-" if cycle % 2 == 0 else "--",
+            label=name,
+            color=PALETTE[k % len(PALETTE)],
         )
         drawn += 1
     if drawn == 0:
