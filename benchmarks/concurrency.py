@@ -325,7 +325,12 @@ def run_llama_cell(target, requests: list[dict[str, Any]], args, out: Path) -> t
     return wall_s, results, [a["ttft_s"] for a in answers]
 
 
-def cell_metrics(wall_s: float, results: list, ttft: list[float] | None = None) -> dict[str, Any]:
+def engine_cell_metrics(wall_s: float, results: list, ttft: list[float] | None = None) -> dict[str, Any]:
+    """One cell from the engine's side: its GenerationResults' stats (tau, verified drafts, per-request latency).
+
+    ``benchmarks/serving.py``'s ``cell_metrics`` is the clients' side of an HTTP server (their timings);
+    the two write different fields to their JSON.
+    """
     stats = SpecStats.merge(r.stats for r in results)
     latencies = sorted(r.stats.total_s for r in results)
     return {
@@ -379,10 +384,10 @@ def main(argv: list[str] | None = None) -> int:
                         best[variant] = measured
             alone = best.get("alone")
             for variant in [v for v in args.variant_list if v in best]:
-                cell = {"mode": mode, "concurrency": level, "variant": variant, **cell_metrics(*best[variant])}
+                cell = {"mode": mode, "concurrency": level, "variant": variant, **engine_cell_metrics(*best[variant])}
                 results = best[variant][1]
                 if alone is not None:
-                    cell["vs_alone"] = safe_ratio(cell["tokens_per_s"], cell_metrics(*alone)["tokens_per_s"])
+                    cell["vs_alone"] = safe_ratio(cell["tokens_per_s"], engine_cell_metrics(*alone)["tokens_per_s"])
                     if mode == "greedy":
                         cell["identical"] = all(r.token_ids == a.token_ids for r, a in zip(results, alone[1]))
                 cells.append(cell)

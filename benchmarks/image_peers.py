@@ -14,7 +14,7 @@ photographs (none of them a picture the drafter trained on), greedy, ``--max-new
   loading, a request), the row is reported as not run, with llama.cpp's own error.
 
 Every timing starts before the inputs are processed (the picture's PNG encoding for llama.cpp).
-Identity is against vlmspec's target alone, with the tie rule of ``benchmarks/vs_peers.py``; the
+Identity is against vlmspec's target alone, with the tie rule of ``benchmarks/identity.py``; the
 prompt lengths in tokens are reported per engine (llama.cpp counts the image's tokens itself).
 """
 
@@ -27,10 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from benchmarks import llama_cpp_peer, vs_peers
+from benchmarks import llama_cpp_peer
 from benchmarks.common import markdown_table, peer_logs_dir, prepare_out_dir, run_order, write_json, write_text
+from benchmarks.identity import identity_report
 from benchmarks.spec.workloads import skimage_open_tasks
 
 ALONE = "vlmspec target alone (fast runner)"
@@ -213,13 +212,8 @@ def report(target, inputs, results: dict, skipped: dict[str, str], lengths: list
         if not r["tokens"]:
             continue
         picked = list(range(len(r["tokens"])))
-        same = vs_peers.identity_report(
-            target,
-            [inputs[i] for i in picked],
-            [alone[i] for i in picked],
-            r["tokens"],
-            args.tie_margin,
-            image_top2_margin,
+        same = identity_report(
+            target, [inputs[i] for i in picked], [alone[i] for i in picked], r["tokens"], args.tie_margin
         )
         prompt = r.get("prompt_tokens") or lengths
         rows.append(
@@ -247,18 +241,3 @@ def report(target, inputs, results: dict, skipped: dict[str, str], lengths: list
         f"{args.image_max_side}), {args.max_new_tokens} new tokens, batch 1, greedy; tok/s and TTFT from the "
         f"request (input processing included){notes}\n\n{markdown_table(headers, rows)}\n"
     )
-
-
-@torch.inference_mode()
-def image_top2_margin(target, x, prefix: list[int]) -> float:
-    """The target's top-2 logit margin after an image prompt and ``prefix``, from a forward with the pixels."""
-    kwargs = dict(x.model_kwargs)
-    length = x.input_ids.shape[1]
-    extra = torch.tensor([prefix], dtype=x.input_ids.dtype)
-    for key, value in kwargs.items():  # the [1, L] tensors grow by the prefix: ids, an all-ones mask, text type ids
-        if torch.is_tensor(value) and value.dim() == 2 and value.shape == (1, length):
-            tail = extra if key == "input_ids" else torch.full_like(extra, 1 if key == "attention_mask" else 0)
-            kwargs[key] = torch.cat([value, tail.to(value.dtype)], dim=1)
-    logits = target.model(**kwargs, logits_to_keep=1).logits[0, -1].float()
-    best = torch.topk(logits, 2).values
-    return float(best[0] - best[1])

@@ -16,7 +16,7 @@ drafter trained on), greedy, float32, batch 1, ``--max-new-tokens`` each:
   (``VerifyAll``: every draft of every round verified, nothing skipped).
 
 Identity: each llama.cpp variant's tokens against ``llama-server`` alone; at a first difference,
-whether it is a numerical tie (``benchmarks.vs_peers.identity_report``: the target's own top-2
+whether it is a numerical tie (``benchmarks.identity.identity_report``: the target's own top-2
 logit margin there below ``--tie-margin``, 1e-3 in float32, the rule of the vs-peers tables).
 Acceptance by position: for draft position k, the share of rounds with drafts whose draft k was
 accepted (llama.cpp: ``/metrics`` ``spec_decode_num_accepted_tokens_per_pos_total{position=k-1}``
@@ -46,9 +46,9 @@ from typing import Any
 import torch
 
 from benchmarks.common import markdown_table, prepare_out_dir, write_json, write_text
+from benchmarks.identity import identity_report
 from benchmarks.llama_cpp_peer import DEFAULT_LLAMA_CPP, run_llama_server, server_version
 from benchmarks.spec.workloads import prompt_set_tasks
-from benchmarks.vs_peers import identity_report
 
 PROMPT_SETS = (
     "../shared/data/prompts/gsm8k.jsonl",

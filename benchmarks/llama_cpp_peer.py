@@ -8,7 +8,8 @@ returns the generated tokens, per-request timings (``prompt_ms``, ``predicted_ms
 ``spec_decode_num_accepted_tokens_per_pos_total{position="k"}`` (steps whose draft k+1 was
 accepted). The server log goes to ``work_dir/<name>.log``.
 
-``LlamaServer`` is one running server (``-np`` slots) for the peer benchmarks: ``complete`` and
+``LlamaServer`` is one ``llama-server`` process (``-np`` slots; launched, waited for and stopped by
+``benchmarks/peer_process.PeerProcess``) with llama.cpp's client: ``complete`` and
 ``stream`` (which also times the first token) answer one prompt; ``run_concurrent`` sends many at
 once to ``-np N`` slots. ``reference_ggufs`` converts the reference target's own language model to
 GGUF in a run's dtype (and Q8_0) once, cached under ``runs/llamacpp-peer/gguf``;
@@ -26,69 +27,48 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from benchmarks.peer_process import PeerProcess, free_port
+
 DEFAULT_LLAMA_CPP = Path(__file__).resolve().parents[1] / "runs" / "llamacpp"
-START_TIMEOUT_S = 300.0
 _PER_POS = re.compile(r'^llamacpp:spec_decode_num_accepted_tokens_per_pos_total\{position="(\d+)"\} (\S+)$', re.M)
 
 
-class LlamaServer:
-    """One running ``llama-server`` (a context manager): greedy ``/completion`` calls on token-id prompts.
+class LlamaServer(PeerProcess):
+    """One ``llama-server`` process (a context manager): greedy ``/completion`` calls on token-id prompts.
 
-    ``parallel`` is ``-np`` (slots: requests decoded together); ``--metrics`` is always on. The
-    server log goes to ``work_dir/<name>.log``; a server that exits or does not get ready raises
-    ``RuntimeError`` with the log's last lines.
+    ``parallel`` is ``-np`` (slots: requests decoded together); ``--metrics`` is always on; ``port``
+    is a free one unless given. The server log goes to ``work_dir/<name>.log``; a server that exits
+    or does not get ready raises ``PeerNotReady`` (a ``RuntimeError``) with the log's last lines.
     """
 
-    def __init__(self, server: Path, args: Sequence[str], *, work_dir: Path, name: str, parallel: int = 1) -> None:
-        work_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = work_dir / f"{name}.log"
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.command = [str(server), *args, "--port", str(self.port), "--host", "127.0.0.1"]
-        self.command += ["-np", str(parallel), "--metrics"]
-        self.process: subprocess.Popen | None = None
-
-    def __enter__(self) -> LlamaServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def start(self) -> LlamaServer:
-        with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            _wait_ready(self.base, self.process, self.log_path)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+    def __init__(
+        self,
+        server: Path,
+        args: Sequence[str],
+        *,
+        work_dir: Path,
+        name: str,
+        parallel: int = 1,
+        port: int | None = None,
+    ) -> None:
+        port = port or free_port()
+        command = [str(server), *args, "--port", str(port), "--host", "127.0.0.1", "-np", str(parallel), "--metrics"]
+        super().__init__(name, command, port=port, log_path=Path(work_dir) / f"{name}.log")
 
     def complete(self, prompt: Sequence[int], max_new_tokens: int) -> dict[str, Any]:
         """Greedy tokens, llama.cpp's timings and the client's wall seconds for one token-id prompt."""
         tick = time.perf_counter()
-        answer = _complete(self.base, prompt, max_new_tokens)
-        return {**answer, "wall_s": time.perf_counter() - tick}
+        answer = _post(f"{self.url}/completion", completion_body(prompt, max_new_tokens))
+        return {"tokens": list(answer["tokens"]), "timings": answer["timings"], "wall_s": time.perf_counter() - tick}
 
     def stream(self, prompt: Sequence[int] | dict, max_new_tokens: int) -> dict[str, Any]:
         """Like :meth:`complete`, streamed: also the client's time to the first generated token (``ttft_s``).
@@ -99,7 +79,7 @@ class LlamaServer:
         tick = time.perf_counter()
         first, tokens, timings = None, [], {}
         request = urllib.request.Request(
-            f"{self.base}/completion",
+            f"{self.url}/completion",
             json.dumps({**completion_body(prompt, max_new_tokens), "stream": True}).encode(),
             {"Content-Type": "application/json"},
         )
@@ -116,11 +96,11 @@ class LlamaServer:
         return {"tokens": tokens, "timings": timings, "wall_s": done - tick, "ttft_s": (first or done) - tick}
 
     def metrics(self) -> dict[str, Any]:
-        return parse_metrics(_get(f"{self.base}/metrics"))
+        return parse_metrics(_get(f"{self.url}/metrics"))
 
     def props(self) -> dict[str, Any]:
         """``/props``: the model, its modalities and the media marker an image prompt must hold (random per server)."""
-        return json.loads(_get(f"{self.base}/props"))
+        return json.loads(_get(f"{self.url}/props"))
 
 
 def run_llama_server(
@@ -337,30 +317,6 @@ def completion_body(prompt: Sequence[int] | dict, max_new_tokens: int) -> dict[s
     }
 
 
-def _complete(base: str, prompt: Sequence[int], max_new_tokens: int) -> dict[str, Any]:
-    answer = _post(f"{base}/completion", completion_body(prompt, max_new_tokens))
-    return {"tokens": list(answer["tokens"]), "timings": answer["timings"]}
-
-
-def _wait_ready(base: str, process: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {process.returncode}: {_log_tail(log_path)}")
-        try:
-            if json.loads(_get(f"{base}/health")).get("status") == "ok":
-                return
-        except (urllib.error.URLError, ConnectionError, json.JSONDecodeError):
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"llama-server did not become ready in {START_TIMEOUT_S:.0f} s: {_log_tail(log_path)}")
-
-
-def _log_tail(path: Path, lines: int = 8) -> str:
-    text = path.read_text(errors="replace").strip().splitlines()
-    return " | ".join(text[-lines:]) + f" (log: {path})"
-
-
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=60) as response:
         return response.read().decode()
@@ -370,9 +326,3 @@ def _post(url: str, body: dict) -> dict:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=1800) as response:
         return json.loads(response.read().decode())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -57,7 +57,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,6 +76,7 @@ from benchmarks.common import (
     write_text,
 )
 from benchmarks.concurrency import add_workload_arguments, describe_workload, workload
+from benchmarks.peer_process import PeerNotReady, PeerProcess, free_port
 from benchmarks.vllm_peer import DEFAULT_VENV as DEFAULT_VLLM_VENV
 
 VARIANTS = ("alone", "default", "threshold", "fixed", "prefix", "threshold-capped", "vllm", "llama-cpp")
@@ -129,25 +129,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------------------- servers
-@dataclass
-class ServerProcess:
-    """One ``vlmspec serve`` child process."""
-
-    variant: str
-    url: str
-    process: subprocess.Popen
-    log_file: Any
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        self.log_file.close()
-
-
-def start_server(variant: str, port: int, args: argparse.Namespace, sps: str | None, out: Path) -> ServerProcess:
+def start_server(variant: str, port: int, args: argparse.Namespace, sps: str | None, out: Path) -> PeerProcess:
+    """The ``variant``'s server process on ``port``, launched (not yet ready: see ``PeerProcess.wait_ready``)."""
     if variant == "vllm":
         return start_vllm_server(port, args, out)
     if variant == "llama-cpp":
@@ -158,12 +141,11 @@ def start_server(variant: str, port: int, args: argparse.Namespace, sps: str | N
     command += ["--speculate-up-to", str(args.speculate_up_to)] if variant == "threshold-capped" else []
     command += ["--port", str(port), "--served-model-name", "bench"]
     command += ["--max-batch-size", str(args.max_batch_size or max(args.levels)), "--max-queued", str(args.requests)]
-    log_file = open(peer_logs_dir(out, "servers") / f"server-{variant}.log", "w")  # closed by ServerProcess.stop
-    process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
-    return ServerProcess(variant, f"http://127.0.0.1:{port}", process, log_file)
+    log_path = peer_logs_dir(out, "servers") / f"server-{variant}.log"
+    return PeerProcess(variant, command, port=port, log_path=log_path).launch()
 
 
-def start_vllm_server(port: int, args: argparse.Namespace, out: Path) -> ServerProcess:
+def start_vllm_server(port: int, args: argparse.Namespace, out: Path) -> PeerProcess:
     """``vllm serve`` of the reference target in vLLM's venv (made on first use), text prompts only."""
     from benchmarks.vllm_peer import ensure_vllm_venv, vllm_environment
     from vlmspec.reference import reference_target_dir
@@ -174,12 +156,11 @@ def start_vllm_server(port: int, args: argparse.Namespace, out: Path) -> ServerP
     command += ["--max-num-seqs", str(args.max_batch_size or max(args.levels)), "--seed", "0"]
     command += ["--gpu-memory-utilization", "0.3"]  # on a CPU: the share of RAM to reserve
     command += ["--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0})]
-    log_file = open(peer_logs_dir(out, "servers") / "server-vllm.log", "w")  # closed by ServerProcess.stop
-    process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=vllm_environment(args.threads))
-    return ServerProcess("vllm", f"http://127.0.0.1:{port}", process, log_file)
+    log_path = peer_logs_dir(out, "servers") / "server-vllm.log"
+    return PeerProcess("vllm", command, port=port, log_path=log_path, env=vllm_environment(args.threads)).launch()
 
 
-def start_llama_server(port: int, args: argparse.Namespace, out: Path) -> ServerProcess:
+def start_llama_server(port: int, args: argparse.Namespace, out: Path) -> PeerProcess:
     """``llama-server -np N`` on the reference target's GGUF of this dtype (converted once, cached), text prompts."""
     from benchmarks import llama_cpp_peer
     from vlmspec.loading import load_target
@@ -189,26 +170,12 @@ def start_llama_server(port: int, args: argparse.Namespace, out: Path) -> Server
     gguf = llama_cpp_peer.reference_ggufs(target, args.dtype, llama_cpp, quantized=False)[llama_cpp_peer.EXACT]
     del target
     slots = args.max_batch_size or max(args.levels)
-    command = [str(llama_cpp.binary("llama-server"))]
-    command += llama_cpp_peer.server_args(gguf, args.threads, context=2048 * slots)
-    command += ["-np", str(slots), "--alias", "bench", "--port", str(port), "--host", "127.0.0.1"]
-    log_file = open(peer_logs_dir(out, "servers") / "server-llama-cpp.log", "w")  # closed by ServerProcess.stop
-    process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
-    return ServerProcess("llama-cpp", f"http://127.0.0.1:{port}", process, log_file)
-
-
-def wait_ready(server: ServerProcess, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise SystemExit(f"the {server.variant} server exited; see its log in --out")
-        try:
-            with urllib.request.urlopen(f"{server.url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise SystemExit(f"the {server.variant} server did not answer /health within {timeout:.0f} s")
+    server_args = [*llama_cpp_peer.server_args(gguf, args.threads, context=2048 * slots), "--alias", "bench"]
+    binary = llama_cpp.binary("llama-server")
+    work_dir = peer_logs_dir(out, "servers")
+    return llama_cpp_peer.LlamaServer(
+        binary, server_args, work_dir=work_dir, name="server-llama-cpp", parallel=slots, port=port
+    ).launch()
 
 
 def measured_sps(args: argparse.Namespace, out: Path) -> str:
@@ -336,23 +303,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for variant in args.variant_list:
             try:
-                servers[variant] = start_server(variant, _free_port(), args, sps, out)
+                servers[variant] = start_server(variant, free_port(), args, sps, out)
             except (RuntimeError, ValueError, OSError, subprocess.SubprocessError) as err:
                 if variant not in PEERS:
                     raise
                 args.skipped[variant] = " ".join(str(err).split())[:300]
                 log(f"{variant} skipped: {args.skipped[variant]}")
         args.variant_list = [v for v in args.variant_list if v in servers]
-        for server in list(servers.values()):
-            log(f"waiting for the {server.variant} server ...")
+        for variant, server in list(servers.items()):
+            log(f"waiting for the {variant} server ...")
             try:
-                wait_ready(server, args.startup_timeout)
-            except SystemExit as err:  # a peer that does not come up is skipped; vlmspec's own must
-                if server.variant not in PEERS:
-                    raise
-                args.skipped[server.variant] = str(err)
-                log(f"{server.variant} skipped: {err}")
-                servers.pop(server.variant).stop()
+                server.wait_ready(args.startup_timeout)
+            except PeerNotReady as err:  # a peer that does not come up is skipped; vlmspec's own must
+                if variant not in PEERS:
+                    raise SystemExit(str(err)) from err
+                args.skipped[variant] = str(err)
+                log(f"{variant} skipped: {err}")
+                servers.pop(variant).stop()
                 continue
             asyncio.run(run_cell(f"{server.url}/v1", bodies[:2], 2))  # warm-up: first-call costs, both paths
         args.variant_list = [v for v in args.variant_list if v in servers]
@@ -429,14 +396,6 @@ def write_outputs(out: Path, args: argparse.Namespace, cells: list[dict[str, Any
     )
     log(f"wrote {out / 'serving.json'}, {out / 'serving.md'} and two plots")
     print(json.dumps({c["variant"] + f"@{c['concurrency']}": round(c["tokens_per_s"], 2) for c in cells}))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 if __name__ == "__main__":

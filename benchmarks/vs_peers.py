@@ -45,6 +45,8 @@ import torch
 
 from benchmarks import llama_cpp_peer
 from benchmarks.common import markdown_table, peer_logs_dir, prepare_out_dir, run_order, write_json, write_text
+from benchmarks.identity import identity_report
+from benchmarks.image_peers import run_images
 from benchmarks.spec.workloads import prompt_set_tasks
 from benchmarks.vllm_peer import run_vllm
 
@@ -96,8 +98,6 @@ def main(argv: Sequence[str] | None = None) -> Path:
         args.tie_margin = 1e-3 if args.dtype == "float32" else 1.0
     torch.set_num_threads(args.threads)
     if args.images:
-        from benchmarks.image_peers import run_images
-
         return run_images(args)
     from vlmspec import SpecEngine
     from vlmspec.loading import load_target
@@ -335,36 +335,6 @@ def _subset(result: dict, picked: list[int]) -> dict:
 
 def tok_per_s(result: dict) -> float:
     return sum(len(t) for t in result["tokens"]) / sum(result["seconds"])
-
-
-def identity_report(
-    target, inputs, reference: list[list[int]], tokens: list[list[int]], margin: float, top2_after=None
-) -> dict:
-    """Outputs equal to ``reference``; for the others, whether the first difference sits at a numerical tie.
-
-    ``top2_after(target, inputs[i], prefix)`` gives the target's top-2 margin after the prompt
-    and ``prefix`` (default: a text-only forward of the prompt's ids; image prompts pass theirs).
-    """
-    if top2_after is None:
-        top2_after = lambda target, x, prefix: top2_margin(target, x.input_ids[0].tolist() + prefix)  # noqa: E731
-    identical, ties, divergences = 0, 0, []
-    for x, ref, got in zip(inputs, reference, tokens):
-        if ref == got:
-            identical += 1
-            continue
-        at = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
-        top2 = top2_after(target, x, ref[:at])
-        ties += int(top2 < margin)
-        divergences.append({"position": at, "top2_margin": top2})
-    return {"identical": identical, "ties": ties, "divergences": divergences}
-
-
-@torch.inference_mode()
-def top2_margin(target, ids: list[int]) -> float:
-    """The target's own top-2 logit margin for the token after ``ids`` (transformers' forward)."""
-    logits = target.model(input_ids=torch.tensor([ids]), logits_to_keep=1).logits[0, -1].float()
-    best = torch.topk(logits, 2).values
-    return float(best[0] - best[1])
 
 
 if __name__ == "__main__":

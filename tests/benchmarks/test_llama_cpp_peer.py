@@ -48,7 +48,7 @@ def fake_server():
 
 def test_a_streamed_answer_collects_tokens_timings_and_the_first_tokens_time(fake_server, tmp_path):
     client = llama_cpp_peer.LlamaServer(Path("llama-server"), [], work_dir=tmp_path, name="fake")
-    client.base = f"http://127.0.0.1:{fake_server.server_address[1]}"
+    client.url = f"http://127.0.0.1:{fake_server.server_address[1]}"
     answer = client.stream([1, 2, 3], 8)
     assert answer["tokens"] == [7, 8, 9] and answer["timings"]["predicted_n"] == 3
     assert 0 < answer["ttft_s"] <= answer["wall_s"]
