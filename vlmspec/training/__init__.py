@@ -7,7 +7,8 @@ The pipeline (``recipes/train_qwen3vl.py`` runs it in one command):
    answers; features and final-norm states go to memory-mapped shards (``TargetCache``);
 3. ``PackedDataset``: anchors sampled per sequence, all blocks of a sequence in one row
    (``anchors.py``, ``packing.py``), attended in one pass (``attention.py``);
-4. ``Trainer``: accelerate-based training with the DSpark losses (``losses.py``);
+4. ``Trainer``: accelerate-based training with the DSpark losses (``losses.py``), its
+   checkpoints (``checkpoints.py``) and metrics log (``metrics.py``);
 5. ``run_heldout`` + ``calibrate``: tau on held-out prompts through the engine, and STS
    calibration saved beside the drafter.
 
@@ -20,6 +21,7 @@ from vlmspec.training.attention import checked_flex, flex_block_mask, packed_hid
 from vlmspec.training.cache import CachedSequence, CacheSpec, TargetCache, open_cache_dir, target_fingerprint
 from vlmspec.training.cache_build import CacheEstimate, build_cache, estimate_cache_size, finalize_cache
 from vlmspec.training.calibrate import HeldoutRun, calibrate, run_heldout
+from vlmspec.training.checkpoints import latest_checkpoint
 from vlmspec.training.losses import (
     LossWeights,
     PositionTerms,
@@ -31,7 +33,7 @@ from vlmspec.training.losses import (
 from vlmspec.training.packing import PackedBatch, PackedDataset, PackedRow, collate, pack_sequence
 from vlmspec.training.prompts import PromptItem, load_prompt_sources, read_prompts, split_prompts
 from vlmspec.training.regenerate import GenerationConfig, RegeneratedSequence, regenerate_item, regenerate_items
-from vlmspec.training.trainer import TrainConfig, Trainer, TrainSummary, latest_checkpoint
+from vlmspec.training.trainer import TrainConfig, Trainer, TrainSummary
 from vlmspec.training.vocabulary import answer_token_counts, coverage, draft_vocabulary
 
 __all__ = [

@@ -10,23 +10,20 @@ decides the process group, and the trainer only talks to an ``Accelerator``. Wha
   seeded sampler and sharded over processes by the prepared DataLoader;
 * losses normalised by the weight total of the *global* batch (all-reduced), so tiny
   per-process batches give the same mean as one large batch;
-* checkpoints (``accelerator.save_state``: model weights in safetensors, optimizer,
-  scheduler, RNG states, and the data position) plus a loadable drafter directory;
+* checkpoints (``checkpoints.py``: ``accelerator.save_state`` of model weights in safetensors,
+  optimizer, scheduler, RNG states and the data position, plus a loadable drafter directory);
   ``resume`` continues exactly where the checkpoint was taken;
 * periodic evaluation on held-out cached sequences: the loss terms, the expected tau
   from the confidence labels ``c*_k = 1 - tv_k / 2`` and the acceptance by position;
-* a progress bar and a JSONL metrics log, from the main process only.
+* a progress bar and a JSONL metrics log (``metrics.py``), from the main process only.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import resource
-import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +34,9 @@ from tqdm.auto import tqdm
 from vlmspec.drafters.dspark import DSparkDrafter
 from vlmspec.training.attention import checked_flex, packed_hidden, resolve_attention
 from vlmspec.training.cache import TargetCache
+from vlmspec.training.checkpoints import Checkpoints, TrainState
 from vlmspec.training.losses import LossSums, LossWeights, block_terms, reduce_terms
+from vlmspec.training.metrics import LossWindow, MetricsLog, detached, peak_memory_mb
 from vlmspec.training.packing import PackedBatch, PackedDataset, collate
 from vlmspec.training.schedule import EpochSampler, warmup_cosine
 
@@ -159,24 +158,6 @@ class DraftLossModule(nn.Module):
 
 
 @dataclass
-class TrainState:
-    """Where training stands; saved with every checkpoint (accelerate custom state)."""
-
-    step: int = 0  # optimizer steps done
-    epoch: int = 0
-    batch_in_epoch: int = 0  # micro-batches of the current epoch already consumed
-    blocks: int = 0  # anchor blocks trained on (all processes)
-    train_seconds: float = 0.0
-
-    def state_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
-
-
-@dataclass
 class TrainSummary:
     """What a finished run reports."""
 
@@ -219,7 +200,7 @@ class Trainer:
         self.attention = resolve_attention(config.attention, self.accelerator.device)
         self._verify_flex = config.attention == "auto" and self.attention == "flex"
         self.grad_norm = float("nan")
-        self._window = _Window()  # sums since the last train record
+        self._window = LossWindow()  # sums since the last train record
         self._losses: list[float] = []  # the train records' losses of this run
         train_dataset, self.eval_dataset = self._datasets(cache)
         module = DraftLossModule(self.drafter, config, self.attention, train_dataset.context_window)
@@ -235,7 +216,8 @@ class Trainer:
         self.eval_loader = self.accelerator.prepare(eval_loader) if eval_loader is not None else None
         self.train_dataset = train_dataset
         self.state = TrainState()
-        self.accelerator.register_for_checkpointing(self.state)
+        self.metrics_log = MetricsLog(self.accelerator, self.output_dir)
+        self.checkpoints = Checkpoints(self.accelerator, self.output_dir, config.keep_checkpoints, self.state)
 
     # ------------------------------------------------------------------ set-up
     def _freeze_vocabulary(self, drafter: DSparkDrafter) -> None:
@@ -291,7 +273,7 @@ class Trainer:
             disable=not accelerator.is_main_process,
             dynamic_ncols=True,
         )
-        self._window, self._losses = _Window(), []
+        self._window, self._losses = LossWindow(), []
         while self.state.step < stop:
             tick = time.perf_counter()  # training time includes loading batches, not evaluations or checkpoints
             for batch in self._epoch_batches():
@@ -365,7 +347,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         blocks = accelerator.reduce(batch.valid[..., 0].sum().detach(), reduction="sum")
         self.state.blocks += int(blocks)
-        return _detached(sums), stepped
+        return detached(sums), stepped
 
     def _after_step(self, bar) -> None:
         """Count the optimizer step; log, evaluate and checkpoint when due."""
@@ -380,7 +362,7 @@ class Trainer:
                 exp_tau=f"{record['expected_tau']:.2f}",
                 blocks_s=f"{record['blocks_per_s']:.1f}",
             )
-            self._window = _Window()
+            self._window = LossWindow()
         if config.eval_every and step % config.eval_every == 0 and step < config.steps:
             self.evaluate()
         if config.save_every and step % config.save_every == 0 and step < config.steps:
@@ -393,10 +375,10 @@ class Trainer:
         if self.eval_loader is None:
             return {}
         self.eval_dataset.set_epoch(0)  # the same anchors at every evaluation
-        total = _Window()
+        total = LossWindow()
         self.module.eval()
         for batch in self.eval_loader:
-            total.add(_detached(LossSums(**self.module(batch))), self.config.loss)
+            total.add(detached(LossSums(**self.module(batch))), self.config.loss)
         self.module.train()
         record = {
             "step": self.state.step,
@@ -405,10 +387,10 @@ class Trainer:
             "train_seconds": self.state.train_seconds,
             **total.summary(self.accelerator),
         }
-        self._write_metrics(record)
+        self.metrics_log.write(record)
         return record
 
-    def _log_train(self, window: _Window) -> dict[str, Any]:
+    def _log_train(self, window: LossWindow) -> dict[str, Any]:
         summary = window.summary(self.accelerator)
         record = {
             "step": self.state.step,
@@ -419,14 +401,8 @@ class Trainer:
             "blocks_per_s": self.state.blocks / max(self.state.train_seconds, 1e-9),
             "epoch": self.state.epoch,
         }
-        self._write_metrics(record)
+        self.metrics_log.write(record)
         return record
-
-    def _write_metrics(self, record: dict[str, Any]) -> None:
-        if self.accelerator.is_main_process:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            with (self.output_dir / "metrics.jsonl").open("a") as handle:
-                handle.write(json.dumps(record) + "\n")
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, final: bool = False) -> Path:
@@ -434,33 +410,11 @@ class Trainer:
 
         With ``final=True`` the drafter also goes to ``output_dir/drafter`` (returned).
         """
-        accelerator = self.accelerator
-        directory = self.output_dir / "checkpoints" / f"step-{self.state.step:07d}"
-        accelerator.wait_for_everyone()
-        if not (directory / "model.safetensors").is_file():  # the end of a run may coincide with a periodic save
-            accelerator.save_state(str(directory))
-        if accelerator.is_main_process:
-            drafter = accelerator.unwrap_model(self.module).drafter
-            drafter.save_pretrained(directory / "drafter")
-            self._prune_checkpoints()
-            if final:
-                drafter.save_pretrained(self.output_dir / "drafter")
-        accelerator.wait_for_everyone()
-        return self.output_dir / "drafter" if final else directory
+        return self.checkpoints.save(self.state.step, self.module, final=final)
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Restore weights, optimizer, scheduler, RNG states and the data position."""
-        directory = Path(directory)
-        if not (directory / "model.safetensors").is_file() and not any(directory.glob("model*.safetensors")):
-            raise ValueError(
-                f"{directory} is not a training checkpoint (no model.safetensors); pass a checkpoints/step-N directory"
-            )
-        self.accelerator.load_state(str(directory))
-
-    def _prune_checkpoints(self) -> None:
-        checkpoints = sorted((self.output_dir / "checkpoints").glob("step-*"))
-        for old in checkpoints[: -self.config.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
+        self.checkpoints.load(directory)
 
 
 def adamw(parameters: list[nn.Parameter], config: TrainConfig) -> torch.optim.AdamW:
@@ -470,52 +424,3 @@ def adamw(parameters: list[nn.Parameter], config: TrainConfig) -> torch.optim.Ad
         return torch.optim.AdamW(parameters, fused=True, **options)
     except (RuntimeError, ValueError, TypeError):
         return torch.optim.AdamW(parameters, **options)
-
-
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest ``checkpoints/step-N`` under ``output_dir``, or None."""
-    checkpoints = sorted((Path(output_dir) / "checkpoints").glob("step-*"))
-    return checkpoints[-1] if checkpoints else None
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak allocated accelerator memory (CUDA), or the process's peak resident set size (CPU)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-def _detached(sums: LossSums) -> LossSums:
-    return LossSums(**{f.name: getattr(sums, f.name).detach() for f in fields(sums)})
-
-
-class _Window:
-    """Sums of loss terms and diagnostics over several micro-batches."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, torch.Tensor] = {}
-
-    def add(self, sums: LossSums, weights: LossWeights) -> None:
-        values = {f.name: getattr(sums, f.name).float() for f in fields(sums)}
-        values["loss"] = sums.combined(weights).float()
-        for key, value in values.items():
-            self.sums[key] = self.sums[key] + value if key in self.sums else value
-
-    def summary(self, accelerator) -> dict[str, Any]:
-        """Means over the window, summed across processes first."""
-        if not self.sums:
-            return {}
-        s = {key: accelerator.reduce(value, reduction="sum") for key, value in self.sums.items()}
-        weight = float(s["weight"].clamp(min=1e-9))
-        count = s["count"].clamp(min=1)
-        return {
-            "loss": float(s["loss"]) / weight,
-            "ce": float(s["ce"]) / weight,
-            "tv": float(s["tv"]) / weight,
-            "confidence": float(s["bce"]) / weight,
-            "expected_tau": float(s["expected_tau"]) / max(float(s["full_blocks"]), 1.0),
-            "greedy_tau": float(s["greedy_tau"]) / max(float(s["full_blocks"]), 1.0),
-            "acceptance_by_position": (s["acceptance"] / count).tolist(),
-            "top1_by_position": (s["top1"] / count).tolist(),
-            "blocks": int(s["count"][0]),
-        }
