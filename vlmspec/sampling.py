@@ -1,8 +1,21 @@
 """Logits -> probabilities exactly as target-only sampling applies them, and seeded draws.
 
-``target_probs`` reproduces the warper chain of Hugging Face ``generate`` (float32 logits,
-then temperature, then top-k, then top-p, then softmax), so that speculative decoding and
-the target alone sample from the same distribution. Two tie rules are fixed on purpose:
+``target_probs`` reproduces the warper chain of Hugging Face ``generate``, with OpenAI's
+``logit_bias`` in front::
+
+    float32 logits + logit_bias -> [greedy: argmax] -> / temperature -> top-k -> top-p -> min-p -> softmax
+
+so that speculative decoding and the target alone sample from the same distribution. The
+bias comes first, before greedy too, so greedy verification, sampled verification and the
+target alone all see the biased logits. A temperature below
+:data:`vlmspec.types.GREEDY_BELOW_TEMPERATURE` is greedy (as in vLLM), so no finite
+temperature can overflow the division. min-p sits where transformers puts its
+``MinPLogitsWarper`` (after top-p); vLLM applies it before top-k/top-p, which differs only
+when top-p and min-p are both set. min-p keeps a token when its probability is at least
+``min_p`` times the largest (llama.cpp's and vLLM's rule, after temperature); that ratio does
+not depend on which other tokens survived, so min-p commutes with top-k.
+
+Three tie rules are fixed on purpose:
 
 * top-k keeps every token whose logit equals the k-th largest (as transformers'
   ``TopKLogitsWarper`` does), so more than k tokens survive when the boundary is tied.
@@ -14,6 +27,7 @@ the target alone sample from the same distribution. Two tie rules are fixed on p
   sorted (a few dozen instead of the whole vocabulary); their softmax may then differ from
   transformers' in the last bit, which could move the nucleus boundary only when the tail
   mass lies within float32 rounding of ``1 - top_p``.
+* min-p keeps every token tied with the threshold (``probs >= min_p * max``, as transformers).
 
 Every random draw takes an explicit ``torch.Generator``, one per batch row; nothing here
 touches the global RNG. Draws use the inverse CDF in float64, which never returns a token
@@ -33,6 +47,8 @@ __all__ = [
     "greedy_one_hot",
     "mask_top_k",
     "mask_top_p",
+    "mask_min_p",
+    "biased_logits",
     "residual_probs",
     "draw_uniforms",
     "draw_row_uniforms",
@@ -47,21 +63,43 @@ def target_probs(
 ) -> torch.Tensor:  # [..., V] float32
     """The float32 distribution the target alone samples from under ``params``.
 
-    Greedy (``temperature == 0``) gives the one-hot of the argmax (ties -> lowest index).
-    Otherwise: logits in float32, divided by the temperature, then top-k, then top-p,
-    then softmax; the same order as transformers' ``generate``.
+    ``logit_bias`` is added first. Greedy (see :attr:`SamplingParams.greedy`) then gives the
+    one-hot of the argmax (ties -> lowest index). Otherwise: divided by the temperature,
+    then top-k, then top-p, then min-p, then softmax; the order of transformers' ``generate``.
     """
     _check_logits(logits)
+    scores = biased_logits(logits, params)  # the caller's logits are never modified
     if params.greedy:
-        return greedy_one_hot(logits)
-    scores = logits.float() / params.temperature  # a new tensor: the caller's logits are never modified
+        return greedy_one_hot(scores)
+    scores = scores.float() / min(params.temperature, _FLOAT32_MAX)  # a huge temperature stays finite in float32
     if params.top_k is not None:
         scores = mask_top_k(scores, params.top_k)
     if params.top_p is not None and params.top_p < 1.0:
         # after top-k only a few scores are finite: sort those, not all of V
         num_candidates = _most_finite_per_row(scores) if params.top_k is not None else None
         scores = mask_top_p(scores, params.top_p, num_candidates)
+    if params.min_p:
+        scores = mask_min_p(scores, params.min_p)
     return torch.softmax(scores, dim=-1)
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def biased_logits(
+    logits: torch.Tensor,  # [..., V] any float dtype
+    params: SamplingParams,
+) -> torch.Tensor:  # [..., V]: ``logits`` itself without a bias, else a float32 copy with the bias added
+    """``logits`` plus ``params.logit_bias`` (token id -> additive bias), in float32 when biased.
+
+    Raises ValueError when a biased id lies outside the vocabulary (the last dim).
+    """
+    if not params.logit_bias:
+        return logits
+    params.check_vocabulary(logits.shape[-1])
+    ids = torch.tensor([token for token, _ in params.logit_bias], device=logits.device)  # [n]
+    bias = torch.tensor([value for _, value in params.logit_bias], dtype=torch.float32, device=logits.device)  # [n]
+    return logits.float().index_add(-1, ids, bias.expand(*logits.shape[:-1], -1))
 
 
 def greedy_one_hot(logits: torch.Tensor) -> torch.Tensor:  # logits [..., V] -> [..., V] float32
@@ -110,6 +148,22 @@ def mask_top_p(
     drop = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)  # [..., V]
     drop.scatter_(-1, order_desc, drop_asc.flip(-1))  # back to vocabulary order
     return scores.masked_fill(drop, float("-inf"))
+
+
+def mask_min_p(
+    scores: torch.Tensor,  # [..., V] float32, after temperature
+    min_p: float,
+) -> torch.Tensor:  # [..., V] float32
+    """Set to -inf every score whose probability is below ``min_p`` times the row's largest.
+
+    The arithmetic of transformers' ``MinPLogitsWarper`` (``probs < min_p * max(probs)`` is
+    removed). The most probable token always survives since ``min_p <= 1``.
+    """
+    if not (isinstance(min_p, (int, float)) and 0.0 <= min_p <= 1.0):
+        raise ValueError(f"min_p must lie in [0, 1], got {min_p!r}")
+    probs = torch.softmax(scores, dim=-1)  # [..., V]
+    threshold = min_p * probs.amax(dim=-1, keepdim=True)  # [..., 1]
+    return scores.masked_fill(probs < threshold, float("-inf"))
 
 
 def _sort_descending_ties_by_index(

@@ -48,10 +48,11 @@ def verify(
     """Verify ``block`` against the target's logits under the target's own sampling ``params``.
 
     Greedy params need no generators (any given are left untouched); sampling params need
-    one ``torch.Generator`` per request.
+    one ``torch.Generator`` per request. ``params.logit_bias`` applies to both: greedy
+    matches the argmax of the biased logits.
     """
     if params.greedy:
-        return verify_greedy(block, target_logits)
+        return verify_greedy(block, sampling.biased_logits(target_logits, params))
     if generators is None:
         raise ValueError("sampling (temperature > 0) needs generators: one torch.Generator per request")
     return verify_rejection(block, sampling.target_probs(target_logits, params), generators)
