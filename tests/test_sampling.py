@@ -165,7 +165,7 @@ def test_bad_logits_raise_a_clear_error() -> None:
         mask_top_k(torch.zeros(3), 0)
 
 
-def test_sampled_frequencies_match_probs() -> None:
+def test_sampled_frequencies_match_probs(sampler_path: str) -> None:
     probs = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05, 0.0])
     num = 20_000
     drawn = sample(probs.expand(num, -1), generators(num, seed=10))
@@ -174,7 +174,7 @@ def test_sampled_frequencies_match_probs() -> None:
     assert tv <= tv_bound(6, num), (tv, freq)
 
 
-def test_zero_probability_tokens_are_never_drawn_even_at_the_edges() -> None:
+def test_zero_probability_tokens_are_never_drawn_even_at_the_edges(sampler_path: str) -> None:
     probs = torch.tensor([[0.0, 0.3, 0.0, 0.0, 0.7, 0.0]] * 5)
     # the extreme uniforms: 0 and the largest float64 below 1, plus cut points of the CDF
     uniforms = torch.tensor([0.0, 1.0 - 2.0**-53, 0.3, 0.7, 0.5], dtype=torch.float64)

@@ -68,7 +68,7 @@ def test_logit_bias_ids_are_checked_against_the_vocabulary():
 
 
 @pytest.mark.parametrize("temperature", [1e-45, 1e-300, 5e-324, GREEDY_BELOW_TEMPERATURE / 2])
-def test_a_tiny_temperature_samples_as_greedy(temperature):
+def test_a_tiny_temperature_samples_as_greedy(temperature, sampler_path):
     params = SamplingParams(temperature=temperature, top_p=0.5, min_p=0.3)
     assert params.greedy
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
@@ -79,7 +79,7 @@ def test_a_tiny_temperature_samples_as_greedy(temperature):
 
 
 @pytest.mark.parametrize("temperature", [GREEDY_BELOW_TEMPERATURE, 1e-3, 2.0, 1e30, 1e300])
-def test_any_finite_temperature_gives_a_finite_distribution(temperature):
+def test_any_finite_temperature_gives_a_finite_distribution(temperature, sampler_path):
     logits = 30 * torch.randn(3, 1000, generator=torch.Generator().manual_seed(1))
     logits[0, :10] = float("-inf")  # a model may mask tokens
     params = SamplingParams(temperature=temperature, top_k=50, top_p=0.9, min_p=0.01, logit_bias={4: 100.0})
@@ -112,7 +112,7 @@ def test_min_p_keeps_tokens_at_least_min_p_times_the_most_probable():
     assert (target_probs(probs.log(), SamplingParams(temperature=0.5, min_p=0.15)) > 0).sum().item() == 2
 
 
-def test_min_p_draws_follow_the_truncated_distribution():
+def test_min_p_draws_follow_the_truncated_distribution(sampler_path):
     """Seeded draws through ``sample`` fit the min-p distribution built by hand (TV bound, 1e-6 failure)."""
     logits = torch.tensor([1.0, 0.6, 0.2, -0.5, -1.5, -3.0])
     params = SamplingParams(temperature=0.8, min_p=0.3)
@@ -190,7 +190,7 @@ class UniformSupportDrafter(PerRequestProposer):
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_sampled_speculation_with_min_p_and_logit_bias_follows_the_target(confined_target, deterministic):
+def test_sampled_speculation_with_min_p_and_logit_bias_follows_the_target(confined_target, deterministic, sampler_path):
     """The first three tokens fit the target's exact joint law under min-p and a bias (chi-square, p > 1e-3)."""
     params = SamplingParams(temperature=1.0, min_p=0.25, logit_bias={SUPPORT[3]: 1.5, SUPPORT[0]: -0.5})
     joint = exact_first_tokens(confined_target, None, params)
