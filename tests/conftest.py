@@ -60,3 +60,17 @@ def coffee() -> np.ndarray:
     from skimage import data
 
     return data.coffee()  # an H x W x 3 uint8 array: exercises the numpy input path
+
+
+@pytest.fixture(params=["reference", "native"])
+def sampler_path(request, monkeypatch) -> str:
+    """Run a sampling test through the PyTorch reference, then through the native kernel (skipped where it
+    cannot be built): ``vlmspec.sampling.native_sampling_applies`` decides which one every call takes."""
+    from vlmspec import sampling
+    from vlmspec.kernels import cpu_kernels
+
+    if request.param == "reference":
+        monkeypatch.setattr(sampling, "native_sampling_applies", lambda tensor: False)
+    elif not cpu_kernels.kernel_available():
+        pytest.skip("vlmspec's CPU kernel is not available here (no compiler, or VLMSPEC_CPU_KERNEL=0)")
+    return request.param

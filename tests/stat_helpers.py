@@ -74,6 +74,8 @@ def sample_first_tokens(engine, image, runs: int, params: SamplingParams, joint:
             temperature=params.temperature,
             top_k=params.top_k,
             top_p=params.top_p,
+            min_p=params.min_p,
+            logit_bias=params.logit_bias,
             seed=seed,
         )
         counts[index[tuple(result.token_ids)]] += 1

@@ -6,7 +6,12 @@ import math
 
 import pytest
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from vlmspec.sampling import mask_top_k, mask_top_p, residual_probs, sample, sample_from_uniforms, target_probs
 from vlmspec.types import SamplingParams
@@ -114,6 +119,8 @@ def hf_warped_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         scores = TopKLogitsWarper(params.top_k)(None, scores)
     if params.top_p is not None and params.top_p < 1.0:
         scores = TopPLogitsWarper(params.top_p)(None, scores)
+    if params.min_p:
+        scores = MinPLogitsWarper(params.min_p)(None, scores)
     return torch.softmax(scores, dim=-1)
 
 
@@ -126,6 +133,18 @@ def test_agrees_with_transformers_warpers(temperature: float, top_k: int | None,
     # Same arithmetic in the same order, so the support is identical and the probabilities
     # agree to float32 rounding (we allow 1e-6 absolute, 1e-5 relative).
     assert torch.equal(ours > 0, theirs > 0)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "min_p"), [(None, None, 0.05), (50, None, 0.2), (None, 0.9, 0.1), (40, 0.8, 0.3)]
+)
+def test_min_p_agrees_with_transformers_warpers(top_k: int | None, top_p: float | None, min_p: float) -> None:
+    logits = 3.0 * torch.randn(16, 2000, generator=torch.Generator().manual_seed(5))
+    params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p)
+    ours, theirs = target_probs(logits, params), hf_warped_probs(logits, params)
+    assert torch.equal(ours > 0, theirs > 0)
+    assert ((ours > 0).sum(-1) < (target_probs(logits, SamplingParams(0.7, top_k, top_p)) > 0).sum(-1)).any()
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
 
 
@@ -146,7 +165,7 @@ def test_bad_logits_raise_a_clear_error() -> None:
         mask_top_k(torch.zeros(3), 0)
 
 
-def test_sampled_frequencies_match_probs() -> None:
+def test_sampled_frequencies_match_probs(sampler_path: str) -> None:
     probs = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05, 0.0])
     num = 20_000
     drawn = sample(probs.expand(num, -1), generators(num, seed=10))
@@ -155,7 +174,7 @@ def test_sampled_frequencies_match_probs() -> None:
     assert tv <= tv_bound(6, num), (tv, freq)
 
 
-def test_zero_probability_tokens_are_never_drawn_even_at_the_edges() -> None:
+def test_zero_probability_tokens_are_never_drawn_even_at_the_edges(sampler_path: str) -> None:
     probs = torch.tensor([[0.0, 0.3, 0.0, 0.0, 0.7, 0.0]] * 5)
     # the extreme uniforms: 0 and the largest float64 below 1, plus cut points of the CDF
     uniforms = torch.tensor([0.0, 1.0 - 2.0**-53, 0.3, 0.7, 0.5], dtype=torch.float64)

@@ -150,7 +150,7 @@ def first_token_round(
 
 
 @pytest.mark.parametrize("case", sorted(FIRST_SLOT_CASES))
-def test_first_token_follows_the_target(case: str, row_generators: list[torch.Generator]) -> None:
+def test_first_token_follows_the_target(case: str, row_generators: list[torch.Generator], sampler_path: str) -> None:
     target, draft = FIRST_SLOT_CASES[case]
     first, result = first_token_round(target, draft, reseeded(row_generators, seed=100))
     tv = total_variation(first, target)
@@ -161,7 +161,9 @@ def test_first_token_follows_the_target(case: str, row_generators: list[torch.Ge
     assert abs(rate - expected_rate) <= rate_bound(NUM_ROWS), f"{case}: rate {rate:.4f} vs {expected_rate:.4f}"
 
 
-def test_deterministic_drafts_without_draft_probs_follow_the_target(row_generators: list[torch.Generator]) -> None:
+def test_deterministic_drafts_without_draft_probs_follow_the_target(
+    row_generators: list[torch.Generator], sampler_path: str
+) -> None:
     # Tokens chosen by the drafter (here: varied per row), verified as one-hot drafts.
     draft = torch.tensor([0.1, 0.1, 0.2, 0.1, 0.0, 0.5])  # only how the tokens were chosen; not passed
     first, result = first_token_round(TARGET, draft, reseeded(row_generators, seed=200), deterministic=True)
@@ -176,7 +178,7 @@ def accept_always(block: DraftBlock, target_probs: torch.Tensor, gens: list[torc
     return VerifyResult(block.num_tokens.clone(), sampling.sample(target_probs[rows, block.num_tokens], gens))
 
 
-def test_negative_control_accept_always_is_caught(row_generators: list[torch.Generator]) -> None:
+def test_negative_control_accept_always_is_caught(row_generators: list[torch.Generator], sampler_path: str) -> None:
     target, draft = FIRST_SLOT_CASES["draft_much_worse"]
     first, _ = first_token_round(target, draft, reseeded(row_generators, seed=300), verifier=accept_always)
     tv = total_variation(first, target)  # the draft's distribution: TV(draft, target) = 0.6
@@ -187,8 +189,10 @@ def test_negative_control_resampling_from_the_target_is_caught(
     row_generators: list[torch.Generator], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A subtle bug: recover from target_probs instead of the residual. Output is
-    # min(target, draft) + (1 - alpha) * target, at TV 0.125 from the target here.
-    monkeypatch.setattr(sampling, "residual_probs", lambda target_probs, draft_probs: target_probs)
+    # min(target, draft) + (1 - alpha) * target, at TV 0.125 from the target here. The bug is
+    # planted in the reference (Python) path, which the check then runs.
+    monkeypatch.setattr(sampling, "native_sampling_applies", lambda tensor: False)
+    monkeypatch.setattr(sampling, "positive_residual", lambda target_probs, draft_probs: target_probs)
     target, draft = FIRST_SLOT_CASES["draft_much_worse"]
     first, _ = first_token_round(target, draft, reseeded(row_generators, seed=400))
     assert total_variation(first, target) > 4 * tv_bound(6, NUM_ROWS)
@@ -239,7 +243,7 @@ def draft_round(
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_two_emitted_tokens_follow_the_target_jointly(
-    deterministic: bool, row_generators: list[torch.Generator]
+    deterministic: bool, row_generators: list[torch.Generator], sampler_path: str
 ) -> None:
     target_start, target_next = bigram_model(seed=1, zeros=0.2)
     draft_start, draft_next = bigram_model(seed=2, zeros=0.3)  # a different model, zeros elsewhere

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any
@@ -28,6 +28,14 @@ import torch
 DEFAULT_POSITION_RULE = "interpolate"
 
 
+# Temperatures below this sample as greedy (argmax), as in vLLM: dividing logits by a
+# smaller one overflows float32 (1e-45 is denormal, 1e-300 rounds to 0), and at 1e-5 a
+# logit gap of 1e-3 already gives odds of e^100, so nothing but an exact tie could be drawn.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# The range OpenAI's API accepts for a logit_bias value: -100 bans a token, +100 forces it.
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the target alone would sample. ``temperature == 0`` means greedy (argmax).
@@ -35,11 +43,25 @@ class SamplingParams:
     This is the distribution only: what a proposer, :func:`vlmspec.sampling.target_probs`
     and verification need. Requests that share it are verified together, whatever their
     seeds. A request's other options (length, seed, stop strings) are in :class:`RequestOptions`.
+
+    The chain (see :mod:`vlmspec.sampling`): ``logit_bias`` is added to the raw logits, then
+    greedy takes the argmax; otherwise temperature, top-k, top-p, min-p, softmax.
+
+    * ``temperature``: 0, or any finite value below :data:`GREEDY_BELOW_TEMPERATURE`, is greedy.
+    * ``min_p``: after temperature, keep the tokens whose probability is at least ``min_p``
+      times the most probable token's (llama.cpp's and vLLM's rule); None or 0 keeps all.
+    * ``logit_bias``: token id -> a value in [-100, 100] added to that token's logit (OpenAI's
+      ``logit_bias``). Given as a mapping (JSON's decimal-string keys are accepted) or pairs;
+      stored as a tuple of ``(token_id, bias)`` pairs sorted by id, so params stay hashable
+      (``dict(params.logit_bias)`` gives the mapping back). An empty mapping is stored as None.
+      Ids are checked against the vocabulary where it is known: :meth:`check_vocabulary`.
     """
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
+    logit_bias: Mapping[int, float] | Iterable[tuple[int, float]] | None = None  # stored: ((id, bias), ...) or None
 
     def __post_init__(self) -> None:
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -48,10 +70,27 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 1, or None for no top-k, got {self.top_k!r}")
         if self.top_p is not None and not (_is_real(self.top_p) and 0.0 < self.top_p <= 1.0):  # NaN fails too
             raise ValueError(f"top_p must be a number in (0, 1], or None for no top-p, got {self.top_p!r}")
+        if self.min_p is not None and not (_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0):  # NaN fails too
+            raise ValueError(f"min_p must be a number in [0, 1], or None for no min-p, got {self.min_p!r}")
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))  # frozen: the one normalisation
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Whether the target takes the argmax: temperature 0, or below :data:`GREEDY_BELOW_TEMPERATURE`."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Raise ValueError if ``logit_bias`` names a token id outside ``[0, vocab_size)``.
+
+        :func:`vlmspec.sampling.target_probs` checks it against the logits; a host that knows
+        the vocabulary at admission (a server) calls it there, before any work.
+        """
+        if self.logit_bias and self.logit_bias[-1][0] >= vocab_size:  # pairs are sorted by id
+            outside = [token for token, _ in self.logit_bias if token >= vocab_size]
+            raise ValueError(
+                f"logit_bias names token ids {outside[:8]} outside the vocabulary [0, {vocab_size}); "
+                "use ids of the model's tokenizer"
+            )
 
 
 # The seeds torch.Generator.manual_seed accepts.
@@ -118,8 +157,14 @@ class RequestOptions(SamplingParams):
 
     @cached_property
     def sampling(self) -> SamplingParams:
-        """The distribution alone (temperature, top-k, top-p): what proposers and verification take."""
-        return SamplingParams(self.temperature, self.top_k, self.top_p)
+        """The distribution alone (temperature, top-k, top-p, min-p, logit bias): what proposers and verification take."""
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            logit_bias=self.logit_bias,
+        )
 
 
 def _is_real(value: object) -> bool:
@@ -128,6 +173,54 @@ def _is_real(value: object) -> bool:
 
 def _is_integer(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _logit_bias_pairs(
+    logit_bias: Mapping[int, float] | Iterable[tuple[int, float]] | None,
+) -> tuple[tuple[int, float], ...] | None:
+    """``logit_bias`` as ``((token_id, bias), ...)`` sorted by id, or None when it biases nothing.
+
+    Keys may be integers or decimal strings (JSON object keys, as OpenAI clients send them);
+    values must be finite numbers in :data:`LOGIT_BIAS_RANGE`.
+    """
+    if logit_bias is None:
+        return None
+    if isinstance(logit_bias, (str, bytes)):
+        raise ValueError(f"logit_bias must map token ids to biases, e.g. {{50256: -100}}, got {logit_bias!r}")
+    try:
+        pairs = list(logit_bias.items()) if isinstance(logit_bias, Mapping) else [tuple(p) for p in logit_bias]
+    except TypeError:
+        raise ValueError(f"logit_bias must map token ids to biases, e.g. {{50256: -100}}, got {logit_bias!r}") from None
+    low, high = LOGIT_BIAS_RANGE
+    by_token: dict[int, float] = {}
+    for pair in pairs:
+        if len(pair) != 2:
+            raise ValueError(f"logit_bias must map token ids to biases, e.g. {{50256: -100}}, got the entry {pair!r}")
+        key, value = pair
+        token = _token_id(key)
+        if token is None:
+            raise ValueError(
+                f"logit_bias keys must be token ids (integers >= 0, or their decimal strings), got {key!r}"
+            )
+        if not _is_real(value) or not low <= value <= high:  # NaN and infinities fail too
+            raise ValueError(
+                f"logit_bias values must be numbers in [{low:g}, {high:g}], got {value!r} for token {token}"
+            )
+        if token in by_token:
+            raise ValueError(f"logit_bias names token {token} twice")
+        by_token[token] = float(value)
+    return tuple(sorted(by_token.items())) or None
+
+
+def _token_id(key: object) -> int | None:
+    """``key`` as a token id (an integer >= 0, or its decimal string), or None when it is not one."""
+    if _is_integer(key):
+        token = int(key)
+    elif isinstance(key, str) and key.strip().isdecimal():
+        token = int(key)
+    else:
+        return None
+    return token if token >= 0 else None
 
 
 def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:

@@ -36,7 +36,15 @@ import torch
 from vlmspec import sampling
 from vlmspec.types import DraftBlock, SamplingParams, VerifyResult
 
-__all__ = ["verify", "verify_greedy", "verify_rejection", "verify_rows"]
+__all__ = [
+    "verify",
+    "verify_greedy",
+    "verify_rejection",
+    "verify_rows",
+    "rejection_from_uniforms",
+    "reference_rejection_from_uniforms",
+    "native_rejection_from_uniforms",
+]
 
 
 def verify(
@@ -48,10 +56,11 @@ def verify(
     """Verify ``block`` against the target's logits under the target's own sampling ``params``.
 
     Greedy params need no generators (any given are left untouched); sampling params need
-    one ``torch.Generator`` per request.
+    one ``torch.Generator`` per request. ``params.logit_bias`` applies to both: greedy
+    matches the argmax of the biased logits.
     """
     if params.greedy:
-        return verify_greedy(block, target_logits)
+        return verify_greedy(block, sampling.biased_logits(target_logits, params))
     if generators is None:
         raise ValueError("sampling (temperature > 0) needs generators: one torch.Generator per request")
     return verify_rejection(block, sampling.target_probs(target_logits, params), generators)
@@ -120,8 +129,45 @@ def verify_rejection(
     """
     tokens, num_tokens = _check_block(block, target_probs, "target_probs")
     _check_probs(block, target_probs, generators)
+    uniforms = _round_uniforms(generators, num_tokens, block.gamma, target_probs.device)  # [B, gamma + 1] float64
+    return rejection_from_uniforms(block, target_probs, uniforms)
+
+
+def rejection_from_uniforms(
+    block: DraftBlock,
+    target_probs: torch.Tensor,  # [B, gamma + 1, V] float32
+    uniforms: torch.Tensor,  # [B, gamma + 1] float64: slot k < num_tokens[r] tests draft k, slot gamma the next token
+) -> VerifyResult:
+    """:func:`verify_rejection`'s accept tests and next-token draws for given uniforms (no generators).
+
+    The native kernel where it applies (CPU tensors, the kernel built), else the PyTorch
+    reference; both return the same tokens bit for bit.
+    """
+    if sampling.native_sampling_applies(target_probs):
+        return native_rejection_from_uniforms(block, target_probs, uniforms)
+    return reference_rejection_from_uniforms(block, target_probs, uniforms)
+
+
+def native_rejection_from_uniforms(
+    block: DraftBlock,
+    target_probs: torch.Tensor,  # [B, gamma + 1, V] float32, on the CPU
+    uniforms: torch.Tensor,  # [B, gamma + 1] float64
+) -> VerifyResult:
+    """:func:`rejection_from_uniforms` in one native call for all rows (``cpu_sampling.cpp``)."""
+    num_accepted, next_tokens = torch.ops.vlmspec.rejection_sample(
+        target_probs, block.draft_probs, block.tokens.long(), block.num_tokens.long(), uniforms.to(torch.float64)
+    )
+    return VerifyResult(num_accepted=num_accepted, next_tokens=next_tokens)
+
+
+def reference_rejection_from_uniforms(
+    block: DraftBlock,
+    target_probs: torch.Tensor,  # [B, gamma + 1, V] float32
+    uniforms: torch.Tensor,  # [B, gamma + 1] float64
+) -> VerifyResult:
+    """:func:`rejection_from_uniforms` in PyTorch tensor ops: the reference."""
+    tokens, num_tokens = block.tokens.long(), block.num_tokens.long()
     batch, gamma = tokens.shape
-    uniforms = _round_uniforms(generators, num_tokens, gamma, target_probs.device)  # [B, gamma + 1] float64
     real = _real_slots(num_tokens, gamma)  # [B, gamma]
     safe_tokens = torch.where(real, tokens, 0)  # [B, gamma], padding may hold any id
 
@@ -137,7 +183,7 @@ def verify_rejection(
     rows = torch.arange(batch, device=target_probs.device)  # [B]
     target_at_next = target_probs[rows, num_accepted]  # [B, V]
     next_probs = _next_token_probs(block, safe_tokens, target_at_next, num_accepted, num_tokens)  # [B, V]
-    next_tokens = sampling.sample_from_uniforms(next_probs, uniforms[:, gamma])  # [B]
+    next_tokens = sampling.reference_sample_from_uniforms(next_probs, uniforms[:, gamma])  # [B]
     return VerifyResult(num_accepted=num_accepted, next_tokens=next_tokens)
 
 
@@ -166,7 +212,11 @@ def _next_token_probs(
     num_accepted: torch.Tensor,  # [B] int64
     num_tokens: torch.Tensor,  # [B] int64
 ) -> torch.Tensor:  # [B, V] float32
-    """The target itself for a bonus, the residual at the rejected slot for a recovery."""
+    """The target itself for a bonus, the residual at the rejected slot for a recovery.
+
+    The residual is left unnormalised (the draw normalises by its float64 total), so that the
+    native kernel, which never materialises it, draws the same token bit for bit.
+    """
     gamma = block.gamma
     if gamma == 0:
         return target_at_next  # nothing was drafted: every row takes the bonus
@@ -178,7 +228,7 @@ def _next_token_probs(
     else:
         draft_at_next = block.draft_probs[rows, slot]  # [B, V]
     is_bonus = (num_accepted == num_tokens).unsqueeze(1)  # [B, 1]
-    return torch.where(is_bonus, target_at_next, sampling.residual_probs(target_at_next, draft_at_next))
+    return torch.where(is_bonus, target_at_next, sampling.positive_residual(target_at_next, draft_at_next))
 
 
 def _probs_of(

@@ -76,7 +76,9 @@ ISA_ENV = "VLMSPEC_CPU_ISA"
 # "0" keeps the native layer loop's fork-join form (a parallel region per kernel call) instead of one
 # region for the whole step with a barrier between calls (read at every step): for A/B timings.
 STEP_TEAM_ENV = "VLMSPEC_STEP_TEAM"
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_linear.cpp", "cpu_step.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_linear.cpp", "cpu_step.cpp", "cpu_sampling.cpp")
+)
 HEADER = Path(__file__).with_name("cpu_common.h")
 # Measured on the AVX2 EPYC, a pass over every linear of the reference target: the kernel
 # beats ATen's GEMM at every row count up to 64 (float32 223 against 333 ms at 64 rows,

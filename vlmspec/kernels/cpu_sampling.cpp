@@ -1,0 +1,473 @@
+// Sampling in native code (vlmspec.sampling's fast path): the warper chain and the rejection sampler.
+//
+// sampling_warp: logits [N, V] (float32 or bfloat16) -> the float32 distribution [N, V] the target
+// samples from, under vlmspec.sampling's chain: + logit_bias, / temperature, top-k, top-p, min-p,
+// softmax. Greedy rows never come here (the caller takes the argmax). Per row, three passes over
+// the vocabulary and none of them sorts it:
+//   1. scores s = (logit + bias) / T in float32 (the reference's ops and roundings) and their max m;
+//   2. e = exp(s - m), their sum Z (double), and for a ladder of thresholds t on e the count and
+//      mass of the tokens with e >= t;
+//   3. the candidates: the tokens above the largest threshold that provably holds every survivor
+//      (top-k: at least k tokens; top-p: more mass than top_p of Z, with a margin; min-p: e >=
+//      min_p). Only they are sorted (or partially selected for top-k), a few to a few hundred.
+// A token below the threshold ranks below every candidate (e is monotone in s), so a candidate's
+// tail mass is the mass left outside the candidates plus the candidates ranked at or below it.
+//
+// rejection_sample: the accept test and the next token (recovered from the residual, or the
+// bonus) of vlmspec.verify.verify_rejection over all rows in one call. Given the same target
+// probabilities and uniforms it returns the reference's tokens bit for bit: the test
+// u * q(x) < p(x) in double, and an inverse-CDF draw that adds the float32 values in index order
+// in double, exactly as torch's float64 cumsum and searchsorted (right=False) do.
+//
+// Randomness is not made here: the caller draws the uniforms from its torch.Generators.
+#include <limits>
+
+#include "cpu_common.h"
+
+namespace vlmspec_cpu {
+namespace {
+
+// ---- exp of 8 floats <= 0, with float32's subnormal range ------------------------------------
+// Cody-Waite reduction to r in [-ln2/2, ln2/2], Cephes' degree-6 polynomial (about 1 ulp), then
+// 2^n applied in two halves so that results down to the smallest subnormal are formed (a single
+// 2^n would need n >= -126). exp(0) is exactly 1; below -104 (and -inf) the result is 0, where
+// float32 exp rounds to 0 too.
+inline __m256 exp8_subnormal(__m256 x) {
+  const __m256 floor_x = _mm256_set1_ps(-104.0f);
+  const __m256 underflow = _mm256_cmp_ps(x, floor_x, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, floor_x);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i whole = _mm256_cvtps_epi32(n);                 // in [-150, 0]
+  const __m256i half = _mm256_srai_epi32(whole, 1);            // >= -75: 2^half is a normal float
+  const __m256i rest = _mm256_sub_epi32(whole, half);          // >= -75 too
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 scale1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+  const __m256 scale2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, bias), 23));
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(_mm256_mul_ps(y, scale1), scale2));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+inline double hsum4d(__m256d v) {
+  __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+  s = _mm_add_sd(s, _mm_unpackhi_pd(s, s));
+  return _mm_cvtsd_f64(s);
+}
+
+// The ladder of thresholds on e = exp(s - max) (the largest e is 1): pass 2 counts the tokens at or
+// above each and sums their mass, and the candidates are gathered above the largest one that
+// provably holds every survivor. The last holds every token of positive probability.
+constexpr int kLevels = 7;
+const float kThresholds[kLevels] = {0x1p-3f, 0x1p-6f, 0x1p-10f, 0x1p-15f, 0x1p-22f, 0x1p-34f,
+                                    std::numeric_limits<float>::denorm_min()};
+// A level serves top-p when its mass exceeds top_p of the total by this fraction of it, far more than
+// the float32 rounding of either sum, so that the nucleus lies inside it whatever the rounding.
+constexpr double kTopPMargin = 1e-3;
+
+struct Ladder {
+  double total = 0.0;         // Z: the sum of e over the vocabulary
+  int64_t count[kLevels]{};   // tokens with e >= kThresholds[j]
+  double mass[kLevels]{};     // their sum of e
+};
+
+// Pass 1: scores = float32(logits) / temperature (as the reference: .float(), then a float32
+// division), written to `scores` [V]; returns their maximum. No bias yet.
+template <typename T>
+float scale_and_max(const T* logits, int64_t V, float temperature, float* scores) {
+  const __m256 t = _mm256_set1_ps(temperature);
+  __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8) {
+    const __m256 s = _mm256_div_ps(load8(logits + i), t);
+    _mm256_storeu_ps(scores + i, s);
+    best = _mm256_max_ps(best, s);
+  }
+  float m = hmax8(best);
+  for (; i < V; ++i) {
+    scores[i] = to_float(logits[i]) / temperature;
+    m = std::max(m, scores[i]);
+  }
+  return m;
+}
+
+float max_of(const float* scores, int64_t V) {
+  __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8) best = _mm256_max_ps(best, _mm256_loadu_ps(scores + i));
+  float m = hmax8(best);
+  for (; i < V; ++i) m = std::max(m, scores[i]);
+  return m;
+}
+
+// Pass 2: e = exp(s - m) into `e` [V], with the ladder's counts and masses.
+Ladder exp_and_ladder(const float* scores, int64_t V, float m, float* e) {
+  Ladder ladder;
+  const __m256 top = _mm256_set1_ps(m);
+  __m256d total_lo = _mm256_setzero_pd(), total_hi = _mm256_setzero_pd();
+  __m256 mass[kLevels];
+  __m256 level[kLevels];
+  for (int j = 0; j < kLevels; ++j) {
+    mass[j] = _mm256_setzero_ps();
+    level[j] = _mm256_set1_ps(kThresholds[j]);
+  }
+  auto add = [&](__m256 x) __attribute__((always_inline)) {
+    total_lo = _mm256_add_pd(total_lo, _mm256_cvtps_pd(_mm256_castps256_ps128(x)));
+    total_hi = _mm256_add_pd(total_hi, _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
+    for (int j = 0; j < kLevels; ++j) {
+      const __m256 above = _mm256_cmp_ps(x, level[j], _CMP_GE_OQ);
+      ladder.count[j] += __builtin_popcount(_mm256_movemask_ps(above));
+      mass[j] = _mm256_add_ps(mass[j], _mm256_and_ps(above, x));
+    }
+  };
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8) {
+    const __m256 x = exp8_subnormal(_mm256_sub_ps(_mm256_loadu_ps(scores + i), top));
+    _mm256_storeu_ps(e + i, x);
+    add(x);
+  }
+  if (i < V) {  // the last few: padded with -inf, whose e is 0
+    alignas(32) float tail[8];
+    for (int k = 0; k < 8; ++k) tail[k] = i + k < V ? scores[i + k] : -std::numeric_limits<float>::infinity();
+    const __m256 x = exp8_subnormal(_mm256_sub_ps(_mm256_load_ps(tail), top));
+    _mm256_store_ps(tail, x);
+    for (int64_t k = 0; i + k < V; ++k) e[i + k] = tail[k];
+    add(x);
+  }
+  ladder.total = hsum4d(total_lo) + hsum4d(total_hi);
+  for (int j = 0; j < kLevels; ++j) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mass[j]);
+    for (float lane : lanes) ladder.mass[j] += lane;
+  }
+  return ladder;
+}
+
+struct Candidate {
+  float score;
+  float e;
+  int64_t index;
+};
+
+// Descending score, ties by ascending index: the reference's stable descending sort.
+inline bool ranks_before(const Candidate& a, const Candidate& b) {
+  return a.score > b.score || (a.score == b.score && a.index < b.index);
+}
+
+// Pass 3: every token with e >= threshold, in index order.
+void gather(const float* scores, const float* e, int64_t V, float threshold, std::vector<Candidate>& out) {
+  out.clear();
+  const __m256 t = _mm256_set1_ps(threshold);
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8) {
+    unsigned mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(e + i), t, _CMP_GE_OQ));
+    while (mask != 0) {
+      const int k = __builtin_ctz(mask);
+      out.push_back({scores[i + k], e[i + k], i + k});
+      mask &= mask - 1;
+    }
+  }
+  for (; i < V; ++i)
+    if (e[i] >= threshold) out.push_back({scores[i], e[i], i});
+}
+
+struct WarpParams {
+  float temperature;
+  int64_t top_k;  // 0: none
+  double top_p;   // 1: none
+  double min_p;   // 0: none
+  const int64_t* bias_ids;
+  const float* bias_values;
+  int64_t num_bias;
+};
+
+struct Scratch {
+  std::vector<float> scores;
+  std::vector<Candidate> candidates;
+};
+
+// One row: out [V] receives the distribution (it holds e = exp(s - m) in between).
+template <typename T>
+void warp_row(const T* logits, int64_t V, const WarpParams& p, float* out, Scratch& scratch) {
+  scratch.scores.resize(V);
+  float* scores = scratch.scores.data();
+  float m = scale_and_max(logits, V, p.temperature, scores);
+  if (p.num_bias > 0) {  // the reference's (logit + bias) / T, at the biased ids only
+    for (int64_t b = 0; b < p.num_bias; ++b) {
+      const int64_t id = p.bias_ids[b];
+      scores[id] = (to_float(logits[id]) + p.bias_values[b]) / p.temperature;
+    }
+    m = max_of(scores, V);
+  }
+  const Ladder ladder = exp_and_ladder(scores, V, m, out);
+  const bool top_k = p.top_k > 0 && p.top_k < V, top_p = p.top_p < 1.0, min_p = p.min_p > 0.0;
+  if (!top_k && !top_p && !min_p) {  // every token: normalise in place
+    const float inverse = static_cast<float>(1.0 / ladder.total);
+    for (int64_t i = 0; i < V; ++i) out[i] *= inverse;
+    return;
+  }
+  // The largest threshold that holds every survivor (the last level holds every token of mass).
+  // top-k: at least k tokens; top-p: more than top_p of the mass, with the margin. min-p alone: every
+  // token, narrowed by min-p below.
+  int level = kLevels - 1;
+  for (int j = 0; j < kLevels - 1 && (top_k || top_p); ++j) {
+    const bool holds = top_k ? ladder.count[j] >= p.top_k : ladder.mass[j] >= (p.top_p + kTopPMargin) * ladder.total;
+    if (holds) {
+      level = j;
+      break;
+    }
+  }
+  float threshold = kThresholds[level];
+  // min-p keeps e >= min_p (the most probable token has e = 1); without top-k the nucleus of a
+  // candidate needs only the tokens ranked above it, which have a larger e, so min-p may narrow
+  // the candidates too (a hair below min_p: the final test below is the exact one).
+  if (min_p && !top_k) threshold = std::max(threshold, static_cast<float>(p.min_p * (1.0 - 1e-6)));
+  std::vector<Candidate>& c = scratch.candidates;
+  gather(scores, out, V, threshold, c);
+  double kept_mass = ladder.total;  // the mass top-p's probabilities are relative to
+  if (top_k) {
+    if (static_cast<int64_t>(c.size()) > p.top_k) {  // the k-th largest score; every tie with it stays
+      std::nth_element(c.begin(), c.begin() + (p.top_k - 1), c.end(),
+                       [](const Candidate& a, const Candidate& b) { return a.score > b.score; });
+      const float kth = c[p.top_k - 1].score;
+      c.erase(std::remove_if(c.begin(), c.end(), [kth](const Candidate& x) { return x.score < kth; }), c.end());
+    }
+    kept_mass = 0.0;
+    for (const Candidate& x : c) kept_mass += x.e;
+  }
+  if (top_p) {
+    std::sort(c.begin(), c.end(), ranks_before);
+    double candidates_mass = 0.0;
+    for (const Candidate& x : c) candidates_mass += x.e;
+    // Tail mass at or below each rank, accumulated from the least probable (as the reference).
+    double tail = std::max(kept_mass - candidates_mass, 0.0);
+    const double drop_at_or_below = (1.0 - p.top_p) * kept_mass;
+    size_t keep = c.size();
+    for (size_t j = c.size(); j-- > 1;) {  // the most probable token always stays
+      tail += c[j].e;
+      if (tail <= drop_at_or_below) keep = j;
+      else break;
+    }
+    c.resize(keep);
+  }
+  if (min_p) c.erase(std::remove_if(c.begin(), c.end(), [&](const Candidate& x) { return x.e < p.min_p; }), c.end());
+  double final_mass = 0.0;
+  for (const Candidate& x : c) final_mass += x.e;
+  std::memset(out, 0, sizeof(float) * V);
+  for (const Candidate& x : c) out[x.index] = static_cast<float>(x.e / final_mass);
+}
+
+at::Tensor sampling_warp(const at::Tensor& logits, double temperature, int64_t top_k, double top_p, double min_p,
+                         const at::Tensor& bias_ids, const at::Tensor& bias_values) {
+  TORCH_CHECK(logits.dim() == 2 && (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
+              "sampling_warp: logits must be [N, V] float32 or bfloat16");
+  TORCH_CHECK(temperature > 0.0 && std::isfinite(static_cast<float>(temperature)),
+              "sampling_warp: temperature must be positive and finite in float32 (greedy rows take the argmax)");
+  TORCH_CHECK(top_p > 0.0 && top_p <= 1.0 && min_p >= 0.0 && min_p <= 1.0 && top_k >= 0,
+              "sampling_warp: top_p in (0, 1], min_p in [0, 1], top_k >= 0");
+  TORCH_CHECK(bias_ids.scalar_type() == at::kLong && bias_values.scalar_type() == at::kFloat &&
+                  bias_ids.dim() == 1 && bias_ids.sizes() == bias_values.sizes(),
+              "sampling_warp: bias_ids [n] int64 and bias_values [n] float32");
+  const at::Tensor x = logits.contiguous();
+  const at::Tensor ids = bias_ids.contiguous(), values = bias_values.contiguous();
+  const int64_t N = x.size(0), V = x.size(1);
+  TORCH_CHECK(V > 0, "sampling_warp: empty vocabulary");
+  for (int64_t b = 0; b < ids.numel(); ++b)
+    TORCH_CHECK(ids.data_ptr<int64_t>()[b] >= 0 && ids.data_ptr<int64_t>()[b] < V, "sampling_warp: bias id out of range");
+  at::Tensor out = at::empty({N, V}, x.options().dtype(at::kFloat));
+  const WarpParams p{static_cast<float>(temperature), top_k, top_p, min_p, ids.data_ptr<int64_t>(),
+                     values.data_ptr<float>(), ids.numel()};
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const void* base = x.data_ptr();
+  float* result = out.data_ptr<float>();
+  at::parallel_for(0, N, 1, [&](int64_t first, int64_t last) {
+    thread_local Scratch scratch;
+    for (int64_t row = first; row < last; ++row) {
+      if (bf16)
+        warp_row(static_cast<const uint16_t*>(base) + row * V, V, p, result + row * V, scratch);
+      else
+        warp_row(static_cast<const float*>(base) + row * V, V, p, result + row * V, scratch);
+    }
+  });
+  return out;
+}
+
+// ---- the rejection sampler ---------------------------------------------------------------------
+
+constexpr int64_t kChunk = 64;  // the CDF's running sum is kept at every chunk's end
+
+// Inverse-CDF draw over values(i) >= 0, i in [0, V), bit for bit as the reference: the float32
+// values summed in index order in double (torch's float64 cumsum), target (1 - u) * total, the
+// first index whose running sum reaches it (searchsorted, right=False). One pass keeps the sum at
+// every chunk's end (a chunk of zeros adds nothing: x + 0.0 == x), a second replays one chunk.
+template <typename Values>
+int64_t draw_index(const Values& values, int64_t V, double u, std::vector<double>& chunk_end) {
+  const int64_t chunks = (V + kChunk - 1) / kChunk;
+  chunk_end.resize(chunks);
+  double running = 0.0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t first = c * kChunk, last = std::min(V, first + kChunk);
+    if (values.any_positive(first, last))
+      for (int64_t i = first; i < last; ++i) running += static_cast<double>(values(i));
+    chunk_end[c] = running;
+  }
+  const double target = (1.0 - u) * running;
+  const int64_t c = std::lower_bound(chunk_end.begin(), chunk_end.end(), target) - chunk_end.begin();
+  if (c >= chunks) return V - 1;  // unreachable: target <= running (a product with 1 - u <= 1)
+  double replay = c == 0 ? 0.0 : chunk_end[c - 1];
+  const int64_t first = c * kChunk, last = std::min(V, first + kChunk);
+  for (int64_t i = first; i < last; ++i) {
+    replay += static_cast<double>(values(i));
+    if (replay >= target) return i;
+  }
+  return last - 1;  // unreachable: the chunk's end reaches the target
+}
+
+inline bool any_positive(const float* x, int64_t first, int64_t last) {
+  int64_t i = first;
+  __m256 any = _mm256_setzero_ps();
+  for (; i + 8 <= last; i += 8) any = _mm256_or_ps(any, _mm256_cmp_ps(_mm256_loadu_ps(x + i), _mm256_setzero_ps(), _CMP_GT_OQ));
+  if (_mm256_movemask_ps(any) != 0) return true;
+  for (; i < last; ++i)
+    if (x[i] > 0.0f) return true;
+  return false;
+}
+
+struct TargetValues {  // the target's own distribution: the bonus, or a residual without mass
+  const float* p;
+  float operator()(int64_t i) const { return p[i]; }
+  bool any_positive(int64_t first, int64_t last) const { return vlmspec_cpu::any_positive(p, first, last); }
+};
+
+struct ResidualValues {  // max(p - q, 0) in float32, as the reference's clamp_min
+  const float* p;
+  const float* q;
+  float operator()(int64_t i) const { return std::max(p[i] - q[i], 0.0f); }
+  bool any_positive(int64_t first, int64_t last) const {
+    __m256 any = _mm256_setzero_ps();
+    int64_t i = first;
+    for (; i + 8 <= last; i += 8)
+      any = _mm256_or_ps(any, _mm256_cmp_ps(_mm256_loadu_ps(p + i), _mm256_loadu_ps(q + i), _CMP_GT_OQ));
+    if (_mm256_movemask_ps(any) != 0) return true;
+    for (; i < last; ++i)
+      if (p[i] - q[i] > 0.0f) return true;
+    return false;
+  }
+};
+
+struct OneHotResidualValues {  // a one-hot draft at `token`: the target with that token's mass removed
+  const float* p;
+  int64_t token;
+  float operator()(int64_t i) const { return i == token ? std::max(p[i] - 1.0f, 0.0f) : p[i]; }
+  bool any_positive(int64_t first, int64_t last) const {
+    if (token < first || token >= last) return vlmspec_cpu::any_positive(p, first, last);
+    return vlmspec_cpu::any_positive(p, first, token) || (*this)(token) > 0.0f ||
+           vlmspec_cpu::any_positive(p, token + 1, last);
+  }
+};
+
+template <typename Values>
+bool has_mass(const Values& values, int64_t V) {
+  for (int64_t first = 0; first < V; first += kChunk)
+    if (values.any_positive(first, std::min(V, first + kChunk))) return true;
+  return false;
+}
+
+std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& target_probs,
+                                                    const std::optional<at::Tensor>& draft_probs,
+                                                    const at::Tensor& tokens, const at::Tensor& num_tokens,
+                                                    const at::Tensor& uniforms) {
+  TORCH_CHECK(target_probs.dim() == 3 && target_probs.scalar_type() == at::kFloat,
+              "rejection_sample: target_probs must be [B, gamma + 1, V] float32");
+  const int64_t B = target_probs.size(0), G = target_probs.size(1) - 1, V = target_probs.size(2);
+  TORCH_CHECK(G >= 0 && V > 0, "rejection_sample: empty target_probs");
+  TORCH_CHECK(tokens.dim() == 2 && tokens.size(0) == B && tokens.size(1) == G && tokens.scalar_type() == at::kLong,
+              "rejection_sample: tokens must be [B, gamma] int64");
+  TORCH_CHECK(num_tokens.dim() == 1 && num_tokens.size(0) == B && num_tokens.scalar_type() == at::kLong,
+              "rejection_sample: num_tokens must be [B] int64");
+  TORCH_CHECK(uniforms.dim() == 2 && uniforms.size(0) == B && uniforms.size(1) == G + 1 &&
+                  uniforms.scalar_type() == at::kDouble,
+              "rejection_sample: uniforms must be [B, gamma + 1] float64");
+  const bool drafted = draft_probs.has_value();
+  at::Tensor q;
+  if (drafted) {
+    q = draft_probs->contiguous();
+    TORCH_CHECK(q.dim() == 3 && q.size(0) == B && q.size(1) == G && q.size(2) == V && q.scalar_type() == at::kFloat,
+                "rejection_sample: draft_probs must be [B, gamma, V] float32");
+  }
+  const at::Tensor p = target_probs.contiguous(), x = tokens.contiguous(), n = num_tokens.contiguous(),
+                   u = uniforms.contiguous();
+  const int64_t* count = n.data_ptr<int64_t>();
+  const int64_t* drafts = x.data_ptr<int64_t>();
+  for (int64_t r = 0; r < B; ++r) {
+    TORCH_CHECK(count[r] >= 0 && count[r] <= G, "rejection_sample: num_tokens outside [0, gamma]");
+    for (int64_t k = 0; k < count[r]; ++k)
+      TORCH_CHECK(drafts[r * G + k] >= 0 && drafts[r * G + k] < V, "rejection_sample: draft token outside [0, V)");
+  }
+  at::Tensor accepted = at::empty({B}, n.options()), next = at::empty({B}, n.options());
+  const float* target = p.data_ptr<float>();
+  const float* draft = drafted ? q.data_ptr<float>() : nullptr;
+  const double* uniform = u.data_ptr<double>();
+  int64_t* accepted_out = accepted.data_ptr<int64_t>();
+  int64_t* next_out = next.data_ptr<int64_t>();
+  at::parallel_for(0, B, 1, [&](int64_t first, int64_t last) {
+    thread_local std::vector<double> chunk_end;
+    for (int64_t r = first; r < last; ++r) {
+      const double* row_u = uniform + r * (G + 1);
+      const float* row_p = target + r * (G + 1) * V;
+      int64_t a = 0;
+      for (; a < count[r]; ++a) {  // u < p(x) / q(x), written u * q(x) < p(x) in double (the reference's promotion)
+        const int64_t token = drafts[r * G + a];
+        const double p_x = row_p[a * V + token];
+        const double q_x = drafted ? draft[(r * G + a) * V + token] : 1.0;
+        if (!(row_u[a] * q_x < p_x)) break;
+      }
+      accepted_out[r] = a;
+      const float* at_next = row_p + a * V;
+      const double u_next = row_u[G];
+      if (a == count[r]) {
+        next_out[r] = draw_index(TargetValues{at_next}, V, u_next, chunk_end);
+      } else if (drafted) {
+        const ResidualValues residual{at_next, draft + (r * G + a) * V};
+        next_out[r] = has_mass(residual, V) ? draw_index(residual, V, u_next, chunk_end)
+                                            : draw_index(TargetValues{at_next}, V, u_next, chunk_end);
+      } else {
+        const OneHotResidualValues residual{at_next, drafts[r * G + a]};
+        next_out[r] = has_mass(residual, V) ? draw_index(residual, V, u_next, chunk_end)
+                                            : draw_index(TargetValues{at_next}, V, u_next, chunk_end);
+      }
+    }
+  });
+  return {accepted, next};
+}
+
+}  // namespace
+}  // namespace vlmspec_cpu
+
+TORCH_LIBRARY_FRAGMENT(vlmspec, m) {
+  m.def(
+      "sampling_warp(Tensor logits, float temperature, int top_k, float top_p, float min_p, Tensor bias_ids, "
+      "Tensor bias_values) -> Tensor");
+  m.def(
+      "rejection_sample(Tensor target_probs, Tensor? draft_probs, Tensor tokens, Tensor num_tokens, "
+      "Tensor uniforms) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(vlmspec, CPU, m) {
+  m.impl("sampling_warp", vlmspec_cpu::sampling_warp);
+  m.impl("rejection_sample", vlmspec_cpu::rejection_sample);
+}
