@@ -152,6 +152,24 @@ def test_two_streams_open_on_one_engine_each_yield_only_their_own_request(make_t
             assert [t for record in items for t in record.tokens] == want.token_ids[1:]  # the prefill drew the first
 
 
+def test_a_stream_dropped_unfinished_leaves_the_host(make_target):
+    """Never iterated, or left half-way: its request stops running and its result is not kept."""
+    engine = SpecEngine(make_target("qwen2_vl"), PromptLookup())
+    host = engine._host
+    kept = engine.stream(None, "Tell me a story.", max_new_tokens=12)
+    dropped = engine.stream(None, "Write a haiku about rain.", max_new_tokens=400)
+    assert host.num_waiting == 2
+    del dropped  # never iterated
+    assert host.num_waiting == 1 and not host.num_results
+    half_way = engine.stream(None, "Count to a hundred.", max_new_tokens=400)
+    pieces = iter(half_way)
+    next(pieces)  # one row: the kept request ran to its end first (its output waits for its stream), then this
+    assert host.num_running == 1 and host.num_results == 1
+    del pieces, half_way
+    assert not host.has_unfinished and host.num_results == 1
+    assert "".join(kept) == kept.result.text and not host.num_results
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [

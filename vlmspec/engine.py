@@ -26,6 +26,7 @@ baseline runs through exactly the same code, on the same KV rows.
 from __future__ import annotations
 
 import os
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -156,6 +157,8 @@ class _Outputs:
     def __init__(self, host: BatchEngine) -> None:
         self.host = host
         self._queues: dict[str, deque[StepOutput]] = {}  # request id -> outputs not yet taken by its stream
+        self._stepping = False  # a host step is running (on this thread)
+        self._abandoned: list[str] = []  # requests of streams dropped during a step: they leave after it
 
     def open(self, request_id: str) -> None:
         self._queues[request_id] = deque()
@@ -163,13 +166,35 @@ class _Outputs:
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
+    def abandon(self, request_id: str) -> None:
+        """A stream was dropped unfinished (garbage-collected): its request leaves the host, row, KV and images.
+
+        Now, or, if the drop happened inside a host step (a garbage collection there), right after that step.
+        """
+        self.close(request_id)
+        if self._stepping:
+            self._abandoned.append(request_id)
+        else:
+            self._free(request_id)
+
+    def _free(self, request_id: str) -> None:
+        self.host.abort(request_id)
+        self.host.pop_result(request_id)
+
     def next(self, request_id: str) -> StepOutput | None:
         """The request's next output, running host steps until there is one; None if the host has nothing to run."""
         queue = self._queues[request_id]
         while not queue and self.host.has_unfinished:
-            for output in self.host.step():
+            self._stepping = True
+            try:
+                outputs = self.host.step()
+            finally:
+                self._stepping = False
+            for output in outputs:
                 if output.request_id in self._queues:  # else its stream was closed: nobody reads it
                     self._queues[output.request_id].append(output)
+            while self._abandoned:
+                self._free(self._abandoned.pop())
         return queue.popleft() if queue else None
 
 
@@ -186,6 +211,9 @@ class GenerationStream:
         self._tokens: list[int] = []  # committed so far
         self.result: GenerationResult | None = None
         outputs.open(request_id)
+        # Dropped before it ends (never iterated, or left half-way): the request must not keep running
+        # inside the host, holding its row, its KV and its images, for other streams' steps.
+        self._abandoned = weakref.finalize(self, outputs.abandon, request_id)
 
     def records(self) -> Iterator[RoundRecord]:
         """Run the generation; yields the record of each round as it completes (the prefill is not a round)."""
@@ -213,6 +241,7 @@ class GenerationStream:
                 if output.finished:
                     break
         finally:  # also when the caller stops early: the request leaves the host (a no-op once it has finished)
+            self._abandoned.detach()
             self._outputs.close(self._request_id)
             self._host.abort(self._request_id)
             self.result = self._host.pop_result(self._request_id)

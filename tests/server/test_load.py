@@ -97,7 +97,7 @@ async def hang_up(client, prompt: str) -> str:
 
 
 async def one_round(base_url: str, requests: list[dict]) -> tuple[list, list]:
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
     answers = [streamed(client, r["body"]) if r["stream"] else plain(client, r["body"]) for r in requests]
     hang_ups = [hang_up(client, f"Go on forever, number {i}.") for i in range(HANG_UPS)]
     bad = [asyncio.to_thread(http, f"{base_url}/chat/completions", body) for body in BAD_BODIES]

@@ -104,9 +104,9 @@ def test_a_dying_engine_thread_answers_every_request_and_refuses_new_ones(server
         *results, refused = await asyncio.wait_for(everyone, DEADLINE_S)
         for result in results:
             assert result.finish_reason == "error" and isinstance(result.error, Unavailable)
-            assert "caught fire" in str(result.error)
-        assert isinstance(refused, Unavailable) and "died of Fatal('the machine caught fire')" in str(refused)
-        with pytest.raises(Unavailable, match="the engine is not running.*caught fire"):
+            assert "died of Fatal" in str(result.error)
+        assert isinstance(refused, Unavailable) and "died of Fatal" in str(refused)
+        with pytest.raises(Unavailable, match="the engine is not running.*died of Fatal"):
             await asyncio.wait_for(worker.submit(prompt="Late.", max_new_tokens=4), 1.0)
         assert not worker.alive and isinstance(worker.failure, Fatal)
         await settle(worker)  # every admitted request was counted out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vlmspec.commands.options import TARGET_HELP
+from vlmspec.commands.options import TARGET_HELP, integer
 
 
 def add_export(commands) -> None:
@@ -41,7 +41,7 @@ def add_export(commands) -> None:
     )
     p.add_argument(
         "--mask-token-id",
-        type=int,
+        type=integer(0),
         default=None,
         help="the row a learned MASK vector is exported as (mask_embedding.pt); default: the last vocabulary row",
     )

@@ -9,6 +9,7 @@ from vlmspec.commands.options import (
     TARGET_HELP,
     build_engine,
     generation_options,
+    integer,
     reference_defaults,
     request_options,
     scheduler_options,
@@ -82,7 +83,7 @@ def add_demo(commands) -> None:
         default=DEMO_TEXT_PROMPT,
         help="a second, text-only request with a longer answer ('' to skip it)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=integer(1), default=128)
     p.add_argument(
         "--dtype",
         default="float32",
@@ -90,7 +91,7 @@ def add_demo(commands) -> None:
         help="float32 is exact on every CPU; bfloat16 is faster but not bit-exact (see the README)",
     )
     p.add_argument(
-        "--repeats", type=int, default=3, help="timed runs of each; the fastest counts (a shared CPU is noisy)"
+        "--repeats", type=integer(1), default=3, help="timed runs of each; the fastest counts (a shared CPU is noisy)"
     )
     p.add_argument(
         "--out", default=None, help="a JSON file for the printed figures, with the run's command, commit, date and CPU"

@@ -8,6 +8,7 @@ the target options alone.
 from __future__ import annotations
 
 import argparse
+import math
 
 from vlmspec.scheduling.factory import SCHEDULERS, describe_schedulers
 from vlmspec.targets.adapter import DECODE_MODES
@@ -23,6 +24,49 @@ DRAFTER_HELP = (
     "'reference-dspark' (that DSpark drafter alone), 'reference-dflash' (a bundled DFlash drafter), "
     "'prompt-lookup' (n-gram copies from the prompt), 'none' (the target alone) or a DSpark drafter directory"
 )
+
+
+def integer(low: int | None = None, high: int | None = None):
+    """An argparse ``type``: an integer in [low, high]; anything else exits 2 with the range it must lie in."""
+    wanted = _range("an integer", low, high)
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}") from None
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def number(low: float | None = None, high: float | None = None, *, above: bool = False):
+    """An argparse ``type``: a finite number in [low, high] (``above``: low itself excluded); else exits 2."""
+    wanted = _range("a finite number", low, high, above)
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}") from None
+        below = low is not None and (value <= low if above else value < low)
+        if not math.isfinite(value) or below or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def _range(kind: str, low, high, above: bool = False) -> str:
+    if low is not None and high is not None:
+        return f"{kind} in {'(' if above else '['}{low}, {high}]"
+    if low is not None:
+        return f"{kind} {'>' if above else '>='} {low}"
+    return kind if high is None else f"{kind} <= {high}"
 
 
 def target_options(p: argparse.ArgumentParser, drafter: bool = True) -> None:
@@ -49,7 +93,9 @@ def scheduler_options(p: argparse.ArgumentParser) -> None:
         choices=SCHEDULERS,
         help=f"how many drafts to verify per round: {describe_schedulers()}",
     )
-    p.add_argument("--threshold", type=float, default=0.5, help="confidence threshold (threshold scheduler)")
+    p.add_argument(
+        "--threshold", type=number(0, 1), default=0.5, help="confidence threshold in [0, 1] (threshold scheduler)"
+    )
     p.add_argument("--sps", default=None, help="SPS table JSON or preset (sps, prefix, lagged-topk schedulers)")
     p.add_argument(
         "--calibration",
@@ -63,11 +109,15 @@ def generation_options(p: argparse.ArgumentParser) -> None:
     """The request options (vlmspec.types.RequestOptions): one not given keeps RequestOptions' default."""
     default = RequestOptions()
     unset = argparse.SUPPRESS  # absent from args unless given, so the defaults live in RequestOptions only
-    p.add_argument("--max-new-tokens", type=int, default=unset, help=f"default {default.max_new_tokens}")
-    p.add_argument("--temperature", type=float, default=unset, help=f"0 = greedy (default {default.temperature})")
-    p.add_argument("--top-k", type=int, default=unset, help="keep the k likeliest tokens (default: all)")
-    p.add_argument("--top-p", type=float, default=unset, help="nucleus sampling mass in (0, 1] (default: all)")
-    p.add_argument("--seed", type=int, default=unset, help=f"seeds sampling (default {default.seed})")
+    p.add_argument("--max-new-tokens", type=integer(1), default=unset, help=f"default {default.max_new_tokens}")
+    p.add_argument("--temperature", type=number(0), default=unset, help=f"0 = greedy (default {default.temperature})")
+    p.add_argument("--top-k", type=integer(1), default=unset, help="keep the k likeliest tokens (default: all)")
+    p.add_argument(
+        "--top-p", type=number(0, 1, above=True), default=unset, help="nucleus sampling mass in (0, 1] (default: all)"
+    )
+    p.add_argument(
+        "--seed", type=integer(-(2**63), 2**64 - 1), default=unset, help=f"seeds sampling (default {default.seed})"
+    )
     p.add_argument("--stop", action="append", default=unset, help="stop string (repeatable)")
 
 

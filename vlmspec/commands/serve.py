@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from vlmspec.commands.options import build_engine, target_options
+import os
+
+from vlmspec.commands.options import build_engine, integer, target_options
+from vlmspec.server.limits import RequestLimits
 from vlmspec.serving.admission import DEFAULT_MAX_PREFILL_TOKENS
 from vlmspec.targets.inputs import ImageLimits
+
+API_KEY_VARIABLE = "VLMSPEC_API_KEY"
 
 
 def add_serve(commands) -> None:
@@ -13,51 +18,107 @@ def add_serve(commands) -> None:
         help="an OpenAI-compatible HTTP server (chat completions) over the batched engine",
         description="Serve /v1/chat/completions, /v1/models, /health and /metrics. Without --scheduler: for the "
         "reference pair, sps with its measured cost curve and calibration, drafting while one request runs; for "
-        "another DSpark drafter, threshold; for prompt lookup, none (verify every draft).",
+        "another DSpark drafter, threshold; for prompt lookup, none (verify every draft). Every request is held to "
+        "the limits below before the work it would cause (see docs/serving.md, 'Limits').",
     )
     target_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=integer(1, 65535), default=8000)
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the --target name)")
     p.add_argument(
-        "--max-batch-size", type=int, default=32, help="requests decoded at once (rows of the batched forward)"
+        "--api-key",
+        default=os.environ.get(API_KEY_VARIABLE) or None,
+        help=f"clients must send 'Authorization: Bearer KEY' to every endpoint but /health, else HTTP 401 "
+        f"(default: ${API_KEY_VARIABLE}; unset: no key, for a server on the loopback interface)",
     )
     p.add_argument(
-        "--max-queued", type=int, default=64, help="requests waiting for a row beyond those; more get HTTP 429"
+        "--max-batch-size", type=integer(1), default=32, help="requests decoded at once (rows of the batched forward)"
+    )
+    p.add_argument(
+        "--max-queued", type=integer(0), default=64, help="requests waiting for a row beyond those; more get HTTP 429"
     )
     p.add_argument(
         "--speculate-up-to",
-        type=int,
+        type=integer(1),
         default=None,
         help="draft only while at most this many requests run; above, verify the anchors alone (default: always "
         "draft). On a CPU, where a big batch is compute-bound, 1-2 keeps serving at the target alone's speed",
     )
     p.add_argument(
         "--max-prefill-tokens",
-        type=int,
+        type=integer(1),
         default=DEFAULT_MAX_PREFILL_TOKENS,
         help="prompt tokens one step prefills while requests decode (at least one prompt), so new prompts "
         f"interleave with decode steps instead of stalling them (default: {DEFAULT_MAX_PREFILL_TOKENS})",
     )
-    p.add_argument("--default-max-tokens", type=int, default=256, help="when a request sets no max_tokens")
+    p.add_argument(
+        "--default-max-tokens", type=integer(1), default=256, help="when a request sets no max_tokens (default 256)"
+    )
     p.add_argument(
         "--allowed-local-media-path",
         default=None,
         help="a folder whose image files requests may name by path (default: only base64 data: URLs)",
     )
-    p.add_argument(
+    limits = p.add_argument_group("request limits", "each one answers HTTP 4xx naming its flag, before the work")
+    limits.add_argument(
+        "--max-request-bytes",
+        type=integer(1),
+        default=RequestLimits.max_body_bytes,
+        help=f"largest request body; more get HTTP 413, reading stops there (default {RequestLimits.max_body_bytes:,}:"
+        " 50 MiB)",
+    )
+    limits.add_argument(
+        "--max-images-per-request",
+        type=integer(1),
+        default=RequestLimits.max_images,
+        help=f"most images one request may send; more get HTTP 400 (default {RequestLimits.max_images})",
+    )
+    limits.add_argument(
+        "--max-request-pixels",
+        type=integer(1),
+        default=RequestLimits.max_total_pixels,
+        help="most pixels a request's images may have together, read from their headers before any is decoded; "
+        f"more get HTTP 400 (default {RequestLimits.max_total_pixels:,})",
+    )
+    limits.add_argument(
         "--max-image-bytes",
-        type=int,
+        type=integer(1),
         default=ImageLimits.max_bytes,
         help=f"largest encoded image a request may send, checked before decoding; more get HTTP 400 "
         f"(default {ImageLimits.max_bytes:,}: 20 MiB)",
     )
-    p.add_argument(
+    limits.add_argument(
         "--max-image-pixels",
-        type=int,
+        type=integer(1),
         default=ImageLimits.max_pixels,
         help=f"most pixels (width x height) an image may have, read from its header before decoding; more get "
         f"HTTP 400 (default {ImageLimits.max_pixels:,}; Qwen-VL processors scale images down to 12.8-16.8 MP)",
+    )
+    limits.add_argument(
+        "--max-prompt-tokens",
+        type=integer(1),
+        default=None,
+        help="most prompt tokens (vision tokens included) a request may send; more get HTTP 400 "
+        "(default: the model's context less one)",
+    )
+    limits.add_argument(
+        "--max-stop-strings",
+        type=integer(1),
+        default=RequestLimits.max_stop_strings,
+        help=f"most stop strings a request may send (default {RequestLimits.max_stop_strings}, as OpenAI)",
+    )
+    limits.add_argument(
+        "--max-stop-length",
+        type=integer(1),
+        default=RequestLimits.max_stop_length,
+        help=f"longest stop string, in characters (default {RequestLimits.max_stop_length})",
+    )
+    limits.add_argument(
+        "--max-choices",
+        type=integer(1),
+        default=RequestLimits.max_choices,
+        help=f"largest n (choices per request; each takes a place of --max-batch-size + --max-queued) "
+        f"(default {RequestLimits.max_choices})",
     )
     # Verifying every draft is the slowest choice for a drafter with a confidence head (see the README).
     p.set_defaults(run=_run_serve, scheduler=None)
@@ -72,12 +133,16 @@ def _run_serve(args) -> int:
     media = Path(args.allowed_local_media_path) if args.allowed_local_media_path else None
     if media is not None and not media.is_dir():
         raise FileNotFoundError(f"--allowed-local-media-path {str(media)!r} is not a folder")
-    if args.max_queued < 0:
-        raise ValueError(f"--max-queued must be >= 0, got {args.max_queued}")
-    for flag, value in (("--max-image-bytes", args.max_image_bytes), ("--max-image-pixels", args.max_image_pixels)):
-        if value <= 0:
-            raise ValueError(f"{flag} must be a positive number, got {value}")
     image_limits = ImageLimits(max_bytes=args.max_image_bytes, max_pixels=args.max_image_pixels)
+    limits = RequestLimits(
+        max_body_bytes=args.max_request_bytes,
+        max_images=args.max_images_per_request,
+        max_total_pixels=args.max_request_pixels,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_length=args.max_stop_length,
+        max_choices=args.max_choices,
+    )
     _serving_defaults(args)
     engine = build_engine(
         args,
@@ -94,9 +159,12 @@ def _run_serve(args) -> int:
         default_max_tokens=args.default_max_tokens,
         allowed_media=media,
         image_limits=image_limits,
+        limits=limits,
+        api_key=args.api_key,
     )
+    key = "an API key" if args.api_key else "no API key"
     print(
-        f"serving {name!r} (drafter {args.drafter}, scheduler {args.scheduler}, drafting {cap}) "
+        f"serving {name!r} (drafter {args.drafter}, scheduler {args.scheduler}, drafting {cap}, {key}) "
         f"on http://{args.host}:{args.port}/v1"
     )
     serve(engine, config, host=args.host, port=args.port)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vlmspec.commands.options import target_options
+from vlmspec.commands.options import integer, target_options
 from vlmspec.scheduling.profiling import PRESETS
 
 
@@ -11,17 +11,19 @@ def add_profile(commands) -> None:
     p = commands.add_parser("profile", help="measure the target's SPS curve for the hardware-aware schedulers")
     target_options(p, drafter=False)
     p.add_argument("--out", required=True, help="where to write the table (JSON); a PNG plot is written beside it")
-    p.add_argument("--max-tokens", type=int, default=16, help="largest number of tokens in one forward (one request)")
+    p.add_argument(
+        "--max-tokens", type=integer(1), default=16, help="largest number of tokens in one forward (one request)"
+    )
     p.add_argument(
         "--requests",
         default=None,
         help="comma-separated numbers of concurrent requests, e.g. 1,4,16,32: time the batched (ragged) "
         "verification forward of each, for BatchEngine's schedulers",
     )
-    p.add_argument("--gamma", type=int, default=7, help="drafts per request at most (with --requests)")
-    p.add_argument("--context-length", type=int, default=256, help="tokens already in the cache while timing")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--gamma", type=integer(1), default=7, help="drafts per request at most (with --requests)")
+    p.add_argument("--context-length", type=integer(1), default=256, help="tokens already in the cache while timing")
+    p.add_argument("--warmup", type=integer(0), default=3)
+    p.add_argument("--repeats", type=integer(1), default=10)
     p.set_defaults(run=_run_profile)
 
 
@@ -93,7 +95,7 @@ def add_simulate(commands) -> None:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--sps", help="an SPS table written by `vlmspec profile`")
     source.add_argument("--preset", choices=PRESETS, help=f"a named SPS curve: {', '.join(PRESETS)} (default: cpu)")
-    p.add_argument("--gamma", type=int, default=None, help="draft positions to show (up to 16)")
+    p.add_argument("--gamma", type=integer(1, 16), default=None, help="draft positions to show (up to 16)")
     p.add_argument("--out", default="scheduler-simulator.html")
     p.add_argument("--open", action="store_true", help="open the page in a browser")
     p.set_defaults(run=_run_simulate)

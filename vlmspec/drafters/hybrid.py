@@ -95,8 +95,28 @@ class HybridProposer:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator],
     ) -> DraftBlock:
-        """Learn from last round, offer the copies, choose per request, draft the model rows in one call."""
+        """Learn from last round, offer the copies, choose per request, draft the model rows in one call.
+
+        If it raises, every state is put back as it was (the model's own state by the model's
+        propose): the engine then proposes again with the same updates, which must not be
+        absorbed twice (the copies' history, the model's pending spans, the policy's evidence).
+        """
         check_batch(states, updates, params, generators)
+        saved = [_Saved.of(state) for state in states]
+        try:
+            return self._propose(states, updates, params, generators)
+        except BaseException:
+            for state, before in zip(states, saved):
+                before.restore(state)
+            raise
+
+    def _propose(
+        self,
+        states: Sequence[HybridState],
+        updates: Sequence[ContextUpdate],
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator],
+    ) -> DraftBlock:
         for state, update in zip(states, updates):
             self._observe(state, update)
         copies = [self._copies(state, update) for state, update in zip(states, updates)]
@@ -161,6 +181,27 @@ class HybridProposer:
         for row in rows:
             states[row].pending.clear()
         return block
+
+
+@dataclass
+class _Saved:
+    """What a propose changes in a :class:`HybridState`, as it was before (to put back if it fails)."""
+
+    history: torch.Tensor
+    evidence: dict[str, SourceEvidence]
+    pending: list[ContextUpdate]
+    last_source: str | None
+    last_drafts: int
+
+    @classmethod
+    def of(cls, state: HybridState) -> _Saved:
+        evidence = {name: dataclasses.replace(seen) for name, seen in state.evidence.items()}
+        return cls(state.history.history, evidence, list(state.pending), state.last_source, state.last_drafts)
+
+    def restore(self, state: HybridState) -> None:
+        state.history.history = self.history  # absorb builds a new tensor: this one is untouched
+        state.evidence, state.pending = self.evidence, self.pending
+        state.last_source, state.last_drafts = self.last_source, self.last_drafts
 
 
 def _with_confidences(block: DraftBlock) -> DraftBlock:  # one row

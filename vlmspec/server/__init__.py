@@ -5,21 +5,44 @@
 * :mod:`vlmspec.server.worker`: :class:`EngineWorker`, the engine on its own thread.
 * :mod:`vlmspec.server.protocol`: the chat-completions request schema and response bodies.
 * :mod:`vlmspec.server.media`: image parts (base64 data URLs, allowed local paths).
+* :mod:`vlmspec.server.limits`: :class:`RequestLimits`, what one request may cost.
 * :mod:`vlmspec.server.metrics`: the Prometheus metrics.
+
+The limits import without the serving extra (the ``vlmspec`` command lists them in its
+``--help``); the server itself needs it, and says so when it is missing.
 """
 
 from __future__ import annotations
 
-try:
-    import fastapi  # noqa: F401
-    import prometheus_client  # noqa: F401
-    import uvicorn  # noqa: F401
-except ImportError as err:
-    raise ImportError(
-        f"vlmspec serve needs the serving extra ({err.name} is missing): pip install 'vlmspec[serve]'"
-    ) from err
+import importlib
+from typing import Any
 
-from vlmspec.server.app import ServerConfig, create_app, serve
-from vlmspec.server.background import BackgroundServer
+from vlmspec.server.limits import RequestLimits
 
-__all__ = ["BackgroundServer", "ServerConfig", "create_app", "serve"]
+_SERVER = {
+    "BackgroundServer": "vlmspec.server.background",
+    "ServerConfig": "vlmspec.server.app",
+    "create_app": "vlmspec.server.app",
+    "serve": "vlmspec.server.app",
+}
+
+__all__ = ["BackgroundServer", "RequestLimits", "ServerConfig", "create_app", "serve"]
+
+
+def require_serving_extra() -> None:
+    """Raise ImportError naming the extra to install if the server's dependencies are missing."""
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            f"vlmspec serve needs the serving extra ({err.name} is missing): pip install 'vlmspec[serve]'"
+        ) from err
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SERVER:
+        require_serving_extra()
+        return getattr(importlib.import_module(_SERVER[name]), name)
+    raise AttributeError(f"module 'vlmspec.server' has no attribute {name!r}")

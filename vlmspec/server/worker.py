@@ -10,7 +10,10 @@ an event otherwise.
 
 Admission is decided on the event loop (one thread, so the count cannot race): at most
 ``max_batch_size`` requests run and ``max_queued`` more wait; the next one is refused
-with :class:`Overloaded` (HTTP 429) instead of waiting without bound.
+with :class:`Overloaded` (HTTP 429) instead of waiting without bound. A server takes its
+places with :meth:`EngineWorker.reserve` before it reads a request's body, so a full
+server decodes no image and tokenises no prompt; a :class:`Reservation` not spent on a
+request is given back (``release``).
 
 Whatever ends the thread (``stop()``, or an error nothing below caught), it answers
 everything still waiting on it before it goes: each submit whose command never ran gets
@@ -98,6 +101,30 @@ class RequestHandle:
         self._loop.call_soon_threadsafe(self._events.put_nowait, event)
 
 
+class Reservation:
+    """Places taken in the worker before a request's work starts; each :meth:`EngineWorker.submit` spends one.
+
+    ``release()`` gives back the places not spent (always call it, e.g. in ``finally``); ``grow(k)``
+    takes k more (``Overloaded`` if they are not free: ``n`` choices need n places).
+    """
+
+    def __init__(self, worker: EngineWorker, places: int) -> None:
+        self._worker, self.places = worker, places
+
+    def grow(self, places: int) -> None:
+        self._worker._take(places)
+        self.places += places
+
+    def spend(self) -> None:
+        if self.places < 1:
+            raise RuntimeError("the reservation has no place left: reserve one per request")
+        self.places -= 1
+
+    def release(self) -> None:
+        self._worker._active -= self.places
+        self.places = 0
+
+
 class EngineWorker:
     """Owns a :class:`BatchEngine` and runs it on a background thread.
 
@@ -162,7 +189,11 @@ class EngineWorker:
     def unavailable(self) -> Unavailable:
         """Why the worker takes no requests (meaningful when ``alive`` is False): the error submit() raises."""
         if self.failure is not None:
-            return Unavailable(f"the engine is not running: the engine thread died of {self.failure!r}")
+            # the type alone: an exception's text may name files on the server (the log has all of it)
+            return Unavailable(
+                f"the engine is not running: the engine thread died of {type(self.failure).__name__} "
+                "(the server's log has the details)"
+            )
         return Unavailable("the engine is not running: " + ("it is stopping" if self._thread else "it is not started"))
 
     def start(self) -> None:
@@ -182,21 +213,35 @@ class EngineWorker:
         self._wake.set()
         self._thread.join(timeout)
 
-    async def submit(self, **options: Any) -> RequestHandle:
-        """Queue a request (``BatchEngine.add_request`` arguments); returns its handle once the engine took it.
-
-        Raises :class:`Overloaded` when every place is taken, :class:`Unavailable` when
-        the engine is not running, and the engine's own ValueError / TypeError /
-        FileNotFoundError for bad input (nothing is queued then).
-        """
+    def reserve(self, places: int = 1) -> Reservation:
+        """Take ``places`` now, before the requests' work (:class:`Overloaded` if they are not free)."""
         if not self.alive:
             raise self.unavailable()
-        if self._active >= self.capacity:
+        self._take(places)
+        return Reservation(self, places)
+
+    def _take(self, places: int) -> None:
+        if self._active + places > self.capacity:
             raise Overloaded(
                 f"the server is at capacity ({self.engine.max_batch_size} running, {self.max_queued} queued); "
                 "retry later"
             )
-        self._active += 1
+        self._active += places
+
+    async def submit(self, reservation: Reservation | None = None, **options: Any) -> RequestHandle:
+        """Queue a request (``BatchEngine.add_request`` arguments); returns its handle once the engine took it.
+
+        It spends a place of ``reservation``, or takes one (:class:`Overloaded` when every
+        place is taken). Raises :class:`Unavailable` when the engine is not running, and the
+        engine's own ValueError / TypeError / FileNotFoundError for bad input (nothing is
+        queued then; the place is freed).
+        """
+        if reservation is None:
+            reservation = self.reserve()
+        reservation.spend()  # the place is the request's now: its result (or a failure below) frees it
+        if not self.alive:
+            self._active -= 1
+            raise self.unavailable()
         handle = RequestHandle("", self._loop)
         taken: concurrent.futures.Future[str] = concurrent.futures.Future()
         if not self._send(lambda: self._add(handle, options, taken), reply=taken):

@@ -187,9 +187,14 @@ class BatchEngine:
         messages: list[dict] | None = None,
         options: RequestOptions | None = None,
         request_id: str | None = None,
+        inputs: TargetInputs | None = None,
         **overrides: Any,
     ) -> str:
         """Queue a request (arguments as for ``SpecEngine.generate``); returns its id.
+
+        ``inputs`` instead of images and a prompt: the request's processed inputs, built by
+        ``engine.target.build_inputs(...)`` beforehand (a server tokenises and decodes images off
+        the thread that runs the engine, so a long prompt never stalls the running requests).
 
         ``options`` is a :class:`~vlmspec.types.RequestOptions`; request options given by
         name (``max_new_tokens=64, temperature=0.7, seed=1, stop=...``) replace its fields
@@ -203,7 +208,9 @@ class BatchEngine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if self._known(request_id):
             raise ValueError(f"request id {request_id!r} is already in use; pick another or let the engine choose")
-        request, inputs = new_request(self.target, self.decoder, images, prompt, messages=messages, options=options)
+        request, inputs = new_request(
+            self.target, self.decoder, images, prompt, messages=messages, options=options, inputs=inputs
+        )
         self._waiting.append(_Entry(request_id, request, inputs, time.perf_counter(), inputs.length))
         return request_id
 

@@ -24,15 +24,21 @@ def new_request(
     *,
     messages: list[dict] | None,
     options: RequestOptions,
+    inputs: TargetInputs | None = None,
 ) -> tuple[SpecRequest, TargetInputs]:
     """A step-API request that stops as ``target`` does (its EOS ids, tokenizer, device), and its processed inputs.
 
     The inputs are validated here, so bad input raises before anything runs (``options`` were when built).
+    ``inputs``, if given, are already processed (``target.build_inputs``): then no images, prompt or messages.
     """
+    if inputs is not None and (images is not None or prompt is not None or messages is not None):
+        raise ValueError("pass either inputs (already processed) or images / prompt / messages, not both")
+    if inputs is not None and not isinstance(inputs, TargetInputs):
+        raise TypeError(f"inputs must be the TargetInputs of target.build_inputs, got {type(inputs).__name__}")
     request = decoder.new_request(
         options, eos_token_ids=target.eos_token_ids, tokenizer=target.tokenizer, device=target.device
     )
-    return request, target.build_inputs(images, prompt, messages=messages)
+    return request, inputs if inputs is not None else target.build_inputs(images, prompt, messages=messages)
 
 
 def prepare_prompt(

@@ -9,13 +9,19 @@ they are decoded: their size in bytes before they are read, their pixels (width 
 height, from the header Pillow reads lazily) before the pixels are decompressed. So a
 decompression bomb, a few kilobytes of PNG that would decode to gigabytes, costs nothing.
 PIL images and arrays are taken as they are: their memory is already spent.
+
+Only the formats of :data:`IMAGE_FORMATS` are read (PNG, JPEG, WebP, GIF's first frame,
+BMP): the format is told from the data's first bytes before Pillow sees it, and Pillow is
+then allowed that one format, so no other plugin (EPS, which runs Ghostscript; TIFF, ICO
+...) is ever reached.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,6 +91,34 @@ class ImageLimits:
 
 
 DEFAULT_IMAGE_LIMITS = ImageLimits()
+
+# The encoded formats read: Pillow's name -> the first bytes that mark it (WebP: RIFF, 4 size bytes, WEBP).
+IMAGE_FORMATS = {
+    "PNG": (b"\x89PNG\r\n\x1a\n",),
+    "JPEG": (b"\xff\xd8\xff",),
+    "GIF": (b"GIF87a", b"GIF89a"),
+    "BMP": (b"BM",),
+    "WEBP": (b"RIFF",),
+}
+
+
+def image_format(data: bytes) -> str | None:
+    """The :data:`IMAGE_FORMATS` name of encoded image ``data``, from its first bytes; None if it is none of them."""
+    for name, magics in IMAGE_FORMATS.items():
+        if data.startswith(magics):
+            return name if name != "WEBP" or data[8:12] == b"WEBP" else None
+    return None
+
+
+def image_header(data: bytes, what: str, limits: ImageLimits = DEFAULT_IMAGE_LIMITS) -> tuple[int, int]:
+    """The (width, height) of encoded image ``data``, read from its header: nothing is decoded.
+
+    Raises :class:`ImageTooLarge` over ``limits`` and ValueError for data in no format of
+    :data:`IMAGE_FORMATS` or a header Pillow cannot read. A host that caps several images
+    together reads every header first, then decodes (:func:`load_image`).
+    """
+    with _opened(data, what, limits) as image:
+        return image.size
 
 
 @dataclass
@@ -164,22 +198,38 @@ def count_image_slots(messages: list[dict]) -> int:
 
 
 def _decode(data: bytes, what: str, limits: ImageLimits) -> Image.Image:
-    """The one image decoder: limits first, then Pillow; every failure is a ValueError."""
+    """The one image decoder: limits and the format first, then Pillow; every failure is a ValueError."""
+    with _opened(data, what, limits) as image:
+        try:
+            return image.convert("RGB")  # a GIF's (or an animated WebP's) first frame
+        except Exception as err:  # noqa: BLE001 - Pillow's plugins report broken data as OSError, SyntaxError ...
+            raise ValueError(f"{what} is not a readable image ({type(err).__name__}: {err}); {_WHAT_TO_PASS}") from None
+
+
+_WHAT_TO_PASS = "pass a PNG, JPEG, WebP, GIF or BMP file, a PIL image or an array"
+
+
+@contextlib.contextmanager
+def _opened(data: bytes, what: str, limits: ImageLimits) -> Iterator[Image.Image]:
+    """``data`` opened by Pillow (its header read, its pixels not), after the byte, format and pixel checks."""
     limits.check_bytes(len(data), what)
+    found = image_format(data)
+    if found is None:
+        raise ValueError(
+            f"{what} is not a readable image: {len(data):,} bytes in no image format read here; {_WHAT_TO_PASS}"
+        )
     try:
-        with Image.open(io.BytesIO(data)) as image:  # reads the header only
-            limits.check_pixels(image.size, what)  # before the pixels are decompressed
-            return image.convert("RGB")
-    except ImageTooLarge:
-        raise
+        image = Image.open(io.BytesIO(data), formats=[found])  # reads the header only, with that one plugin
     except Image.DecompressionBombError:  # Image.open applies Pillow's own guard before we see the size
         found = f"more than {2 * (Image.MAX_IMAGE_PIXELS or 0):,} pixels (Pillow refuses it as a decompression bomb)"
         raise ImageTooLarge(what, found, "max_pixels", limits.max_pixels) from None
-    except UnidentifiedImageError:
-        reason = f"{len(data):,} bytes in no image format Pillow reads"  # Pillow's own text names a BytesIO object
-    except Exception as err:  # noqa: BLE001 - Pillow's plugins report broken data as OSError, SyntaxError, EOFError, struct.error ...
-        reason = f"{type(err).__name__}: {err}"
-    raise ValueError(f"{what} is not a readable image ({reason}); pass a PNG/JPEG file, a PIL image or an array")
+    except UnidentifiedImageError:  # Pillow's own text names a BytesIO object
+        raise ValueError(f"{what} is not a readable {found} image ({len(data):,} bytes); {_WHAT_TO_PASS}") from None
+    except Exception as err:  # noqa: BLE001 - broken headers raise OSError, SyntaxError, EOFError, struct.error ...
+        raise ValueError(f"{what} is not a readable image ({type(err).__name__}: {err}); {_WHAT_TO_PASS}") from None
+    with image:
+        limits.check_pixels(image.size, what)  # before the pixels are decompressed
+        yield image
 
 
 def _from_array(array: np.ndarray) -> Image.Image:

@@ -45,6 +45,12 @@ class DraftContextCache:
             buffer_v[:, :, self._length : end] = v
         self._length = end
 
+    def truncate(self, length: int) -> None:
+        """Forget the context after its first ``length`` tokens (a propose that failed gives back what it appended)."""
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot truncate a context of {self._length} tokens to {length}")
+        self._length = length
+
     def layers(self) -> ContextKV:
         """Views of the held context, one (keys, values) pair per layer."""
         n = self._length

@@ -28,7 +28,8 @@ none); they use the drafter's public pieces in the same order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -93,7 +94,7 @@ class DSparkProposer:
         """
         check_batch(states, updates, params, generators)
         features = [self._checked_features(update) for update in updates]  # every update, before any state changes
-        with self._fast_linears:
+        with self._fast_linears, self._rolled_back_on_failure(states):
             spans = self._absorb(states, updates, features)
             anchors = torch.tensor([update.anchor for update in updates], device=self.device)  # [R]
             anchor_positions = torch.tensor([update.anchor_position for update in updates], device=self.device)  # [R]
@@ -113,6 +114,22 @@ class DSparkProposer:
             )
 
     # ---------------------------------------------------------------- steps
+    @contextlib.contextmanager
+    def _rolled_back_on_failure(self, states: Sequence[DSparkState]) -> Iterator[None]:
+        """The rollback contract: a propose that raises leaves every state as it was.
+
+        The engine then proposes again (for each request alone) with the same updates; a cache
+        that had kept them would hold the span twice and draft from a wrong context.
+        """
+        lengths = [len(state.cache) for state in states]
+        try:
+            yield
+        except BaseException:
+            for state, length in zip(states, lengths):
+                state.cache.truncate(length)
+            self._padded = None  # extended in place for these states: rebuilt from their caches next time
+            raise
+
     def _checked_features(self, update: ContextUpdate) -> torch.Tensor:  # -> [n, m * d_target]
         n = update.positions.shape[0]
         features = update.features
