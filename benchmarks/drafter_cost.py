@@ -72,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--target", default=None, help="'reference' for the bundled real-weights target (default: random)"
     )
     parser.add_argument("--draft-vocab", type=int, default=None, help="reduced draft vocabulary size (default: all)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="target and drafters")
     parser.add_argument("--hidden", type=int, default=512, help="target (and drafter) hidden size")
     parser.add_argument("--layers", type=int, default=8, help="target decoder layers")
     parser.add_argument("--context", type=int, default=300, help="context tokens already in the caches")
@@ -94,10 +95,12 @@ def build_target(args: argparse.Namespace):
     from vlmspec.targets import QwenVLTarget
 
     if args.target:
-        return load_target(args.target)
+        return load_target(args.target, dtype=args.dtype)
     from vlmspec.targets.tiny import qwen_tokenizer, tiny_model, tiny_processor
 
-    model = tiny_model("qwen2_5_vl", seed=args.seed, hidden_size=args.hidden, num_layers=args.layers)
+    model = tiny_model(
+        "qwen2_5_vl", seed=args.seed, dtype=getattr(torch, args.dtype), hidden_size=args.hidden, num_layers=args.layers
+    )
     name = f"qwen2_5_vl-h{args.hidden}-l{args.layers}"
     return QwenVLTarget(model, tiny_processor("qwen2_5_vl", qwen_tokenizer()), name=name)
 

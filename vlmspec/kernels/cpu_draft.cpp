@@ -539,7 +539,8 @@ template <typename T>
 Scratch<T> scratch(const Weights& w, const Shape& s, int64_t span, const at::TensorOptions& options) {
   const int64_t G = s.block, d = s.hidden, hd = s.head_dim;
   Scratch<T> b;
-  const auto make = [&](std::initializer_list<int64_t> sizes) { return at::zeros(sizes, options); };
+  // Every buffer is written before it is read (the RNN state, which starts at zero, excepted).
+  const auto make = [&](std::initializer_list<int64_t> sizes) { return at::empty(sizes, options); };
   b.ctx = make({std::max<int64_t>(span, 1), d});
   b.ctx_normed = make({std::max<int64_t>(span, 1), w.context_kv.in()});
   b.ctx_kv = make({std::max<int64_t>(span, 1), w.context_kv.out});
@@ -557,9 +558,9 @@ Scratch<T> scratch(const Weights& w, const Shape& s, int64_t span, const at::Ten
   b.head_code = make({s.head_kind == kNoHead ? 1 : w.head_out.in()});
   b.head_in = make({s.head_kind == kGated ? w.head_gate.in() : s.head_kind == kRnn ? w.head_joint.in() : 1});
   b.head_mid = make({3 * rank});
-  b.state = make({rank});
+  b.state = at::zeros({rank}, options);
   b.bias = make({s.vocab});
-  b.logits = at::zeros({s.vocab}, options.dtype(at::kFloat));
+  b.logits = at::empty({s.vocab}, options.dtype(at::kFloat));
   b.conf_in = make({G, s.confidence == kNoConfidence ? 1 : w.confidence.in()});
   b.conf_out = make({G, 1});
   return b;
