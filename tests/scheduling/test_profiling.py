@@ -283,3 +283,20 @@ def test_malformed_drafting_costs_are_refused(tmp_path: Path, drafting, message:
     (tmp_path / "bad.json").write_text(json.dumps(document))
     with pytest.raises(ValueError, match=message):
         SPSTable.load(tmp_path / "bad.json")
+
+
+def test_vlmspec_profile_with_a_drafter_writes_its_round_into_the_table(tmp_path: Path, make_target, capsys) -> None:
+    from tiny_drafters import tiny_drafter
+
+    from vlmspec.cli import main as cli
+    from vlmspec.scheduling.policy import DraftCosts
+    from vlmspec.scheduling.tables import load_sps_table
+
+    tiny_drafter(make_target("qwen2_vl")).save_pretrained(tmp_path / "drafter")
+    argv = ["profile", "--target", "tiny:qwen2_vl", "--max-tokens", "2", "--warmup", "0", "--repeats", "1"]
+    assert cli([*argv, "--drafter", str(tmp_path / "drafter"), "--out", str(tmp_path / "sps.json")]) == 0
+    table = load_sps_table(tmp_path / "sps.json")
+    assert table.drafting.drafter == str(tmp_path / "drafter") and table.drafting.repeats == 15
+    assert DraftCosts.from_table(table).draft_steps["model"] == pytest.approx(table.drafting.steps()["model"])
+    assert cli([*argv, "--requests", "1,2", "--drafter", "x", "--out", str(tmp_path / "batch.json")]) != 0
+    assert "without --requests" in capsys.readouterr().err
