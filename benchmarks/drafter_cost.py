@@ -12,6 +12,13 @@ target adapter (a 1-token forward with the drafter's feature hooks, then a rollb
 a (gamma + 1)-token verify, in the same loop as the batch-1 drafting rounds (head kinds
 interleaved), and reports drafter round / target step at batch 1.
 
+Part 3 times the round the engine runs, ``DSparkProposer.propose`` for one request (the
+native round of :mod:`vlmspec.drafters.dspark.native` where it applies), beside the
+target's one-token step in one alternating loop
+(:func:`vlmspec.targets.profile.profile_draft_round`, what the drafting policy reads):
+``T_draft / T(1)`` per head kind, and for ``--drafter NAME`` (e.g. ``reference-dspark``
+with ``--target reference``) that trained drafter.
+
 Sizes (defaults): a random-init Qwen2.5-VL shaped target, hidden 512, 8 layers, the real
 Qwen vocabulary (151,669 rows), context ~300 tokens; the drafter as
 ``DSparkConfig.for_target`` makes it (hidden 512, 2 layers, 5 hooked layers, rank 256).
@@ -65,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--target", default=None, help="'reference' for the bundled real-weights target (default: random)"
     )
     parser.add_argument("--draft-vocab", type=int, default=None, help="reduced draft vocabulary size (default: all)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="target and drafters")
     parser.add_argument("--hidden", type=int, default=512, help="target (and drafter) hidden size")
     parser.add_argument("--layers", type=int, default=8, help="target decoder layers")
     parser.add_argument("--context", type=int, default=300, help="context tokens already in the caches")
@@ -75,6 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads", type=int, default=1, help="torch intra-op threads (1 avoids wake-up stalls on shared CPUs)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--drafter", default=None, help="also time this drafter's engine round (a name or a directory), part 3"
+    )
+    parser.add_argument("--engine-repeats", type=int, default=21, help="part 3: alternated rounds and steps timed")
     return parser.parse_args(argv)
 
 
@@ -83,10 +95,12 @@ def build_target(args: argparse.Namespace):
     from vlmspec.targets import QwenVLTarget
 
     if args.target:
-        return load_target(args.target)
+        return load_target(args.target, dtype=args.dtype)
     from vlmspec.targets.tiny import qwen_tokenizer, tiny_model, tiny_processor
 
-    model = tiny_model("qwen2_5_vl", seed=args.seed, hidden_size=args.hidden, num_layers=args.layers)
+    model = tiny_model(
+        "qwen2_5_vl", seed=args.seed, dtype=getattr(torch, args.dtype), hidden_size=args.hidden, num_layers=args.layers
+    )
     name = f"qwen2_5_vl-h{args.hidden}-l{args.layers}"
     return QwenVLTarget(model, tiny_processor("qwen2_5_vl", qwen_tokenizer()), name=name)
 
@@ -205,6 +219,38 @@ def measure(target, args: argparse.Namespace) -> tuple[list[dict], dict]:
     return rows, {"context": int(target_state.lengths[0]), "forward_s": target_times}
 
 
+def engine_rounds(target, args: argparse.Namespace) -> list[dict]:
+    """Part 3: the engine's round for one request (the proposer's, native where it applies) against T(1)."""
+    from vlmspec.drafters.dspark import DSparkProposer
+    from vlmspec.loading import model_proposer
+    from vlmspec.targets.profile import profile_draft_round
+
+    proposers = {
+        f"{kind} g{gamma}": DSparkProposer(build_drafter(target, kind, gamma, args.rank, args.draft_vocab))
+        for gamma in [int(g) for g in args.gammas.split(",")]
+        for kind in args.heads.split(",")
+    }
+    if args.drafter:
+        proposers[args.drafter] = model_proposer(args.drafter, target)
+    rows = []
+    for name, proposer in proposers.items():
+        native = proposer._native.available()
+        timing = profile_draft_round(
+            target, proposer, drafter=name, context_length=args.context, span=args.span, repeats=args.engine_repeats
+        )
+        rows.append(
+            {
+                "drafter": name,
+                "native": native,
+                "round_s": timing.round_s["model"],
+                "step_s": timing.step_s,
+                "draft_steps": timing.steps()["model"],
+            }
+        )
+        log(f"{name:20s}: engine round {1e3 * timing.round_s['model']:6.2f} ms = {timing.steps()['model']:.3f} T(1)")
+    return rows
+
+
 def open_target_request(target, args: argparse.Namespace) -> RaggedBatch:
     """The runner with one row of ~``args.context`` prompt tokens and the default drafter's feature hooks."""
     prompt = " ".join(["the picture shows a small boat on a calm lake"] * max(args.context // 10, 1))
@@ -231,6 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     target = build_target(args)
     layers = DSparkConfig.for_target(target).target_layer_ids
     rows, target_times = measure(target, args)
+    engine = engine_rounds(target, args)
     step_s = target_times["forward_s"][1]
     for row in rows:
         row["round_over_target_step"] = row["round_s"] / step_s if row["batch"] == 1 else None
@@ -268,6 +315,10 @@ def main(argv: list[str] | None = None) -> None:
         ["target forward", "ms", "x one step"],
         [[f"{n} token(s)", 1e3 * t, t / step_s] for n, t in target_times["forward_s"].items()],
     )
+    engine_table = markdown_table(
+        ["drafter", "native round", "round ms", "target step ms", "T_draft / T(1)"],
+        [[r["drafter"], r["native"], 1e3 * r["round_s"], 1e3 * r["step_s"], r["draft_steps"]] for r in engine],
+    )
     env = environment_info()
     header = (
         f"# DSpark drafter cost\n\nTarget {target.name} (vocabulary {target.vocab_size}), context "
@@ -276,10 +327,21 @@ def main(argv: list[str] | None = None) -> None:
         f"temperature {args.temperature}, {args.threads} thread(s), median of {args.repeats} rounds. "
         f"Machine: {env['processor']}, {env['cpu_count']} CPUs, torch {env['torch']}.\n"
     )
-    write_text(out / "drafter_cost.md", f"{header}\n## Drafting round\n\n{head_table}\n\n## Target\n\n{target_table}\n")
+    write_text(
+        out / "drafter_cost.md",
+        f"{header}\n## Drafting round\n\n{head_table}\n\n## Target\n\n{target_table}\n\n"
+        f"## The engine's round (one request, alternated with the target's step)\n\n{engine_table}\n",
+    )
     write_json(
         out / "drafter_cost.json",
-        {"args": vars(args), "environment": env, "feature_layers": layers, "target": target_times, "rounds": rows},
+        {
+            "args": vars(args),
+            "environment": env,
+            "feature_layers": layers,
+            "target": target_times,
+            "rounds": rows,
+            "engine_rounds": engine,
+        },
     )
     for batch in sorted({r["batch"] for r in rows}):
         chosen = [r for r in rows if r["batch"] == batch]
@@ -294,6 +356,8 @@ def main(argv: list[str] | None = None) -> None:
     print(head_table)
     print()
     print(target_table)
+    print()
+    print(engine_table)
 
 
 if __name__ == "__main__":

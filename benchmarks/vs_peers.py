@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     out = prepare_out_dir(args.out)
     tasks = [t for path in args.prompt_set or PROMPT_SETS for t in prompt_set_tasks(path, args.num_questions)]
     target = load_target("reference", dtype=args.dtype)
-    engine, dspark = drafter_engines(target, reference_drafter_dir("reference"), args.dtype)
+    engine, dspark, dspark_alone = drafter_engines(target, reference_drafter_dir("reference"), args.dtype)
     inputs = [target.build_inputs(None, task.prompt) for task in tasks]
     prompt_ids = [x.input_ids[0].tolist() for x in inputs]
 
@@ -130,10 +130,11 @@ def main(argv: Sequence[str] | None = None) -> Path:
         "vlmspec target alone (reference forward)": vlmspec_run("reference", False),
         ALONE: vlmspec_run("fast", False),
         DSPARK_EVERY_ROUND: vlmspec_run("fast", True, dspark),
+        DSPARK_ALONE: vlmspec_run("fast", True, dspark_alone),
         DEFAULTS: vlmspec_run("fast", True),
     }
     if args.previous_drafter is not None:
-        old_defaults, old_dspark = drafter_engines(target, args.previous_drafter, args.dtype)
+        old_defaults, old_dspark, _ = drafter_engines(target, args.previous_drafter, args.dtype)
         variants[f"{DSPARK_EVERY_ROUND} (previous drafter)"] = vlmspec_run("fast", True, old_dspark)
         variants[f"{DEFAULTS} (previous drafter)"] = vlmspec_run("fast", True, old_defaults)
     skipped: dict[str, str] = {}
@@ -200,18 +201,21 @@ def main(argv: Sequence[str] | None = None) -> Path:
 
 DSPARK_EVERY_ROUND = "vlmspec + DSpark every round, SPS"
 DEFAULTS = "vlmspec defaults: n-gram + corpus + DSpark, drafting policy, SPS"
+DSPARK_ALONE = "vlmspec + DSpark alone, drafting policy, SPS (reference-dspark)"
 
 
 def drafter_engines(target, drafter_dir: Path, dtype: str):
-    """(defaults, DSpark every round) around the DSpark drafter in ``drafter_dir``, its calibration in the scheduler.
+    """(defaults, DSpark every round, DSpark alone under the drafting policy) around the DSpark drafter in
+    ``drafter_dir``, its calibration in the scheduler.
 
     The reference pair's serving defaults: SPS on this dtype's measured curve, the drafter's calibrated
-    confidences; the defaults add n-gram and corpus copies under the drafting policy.
+    confidences; the defaults add n-gram and corpus copies under the drafting policy; DSpark alone is what
+    ``reference-dspark`` loads (the policy, no copies), with measured drafting costs.
     """
     from vlmspec import SpecEngine
     from vlmspec.drafters.dspark import DSparkDrafter, DSparkProposer
-    from vlmspec.loading import reference_hybrid
-    from vlmspec.reference import reference_sps_table
+    from vlmspec.loading import reference_alone, reference_hybrid
+    from vlmspec.reference import reference_drafter_dir, reference_sps_table
     from vlmspec.scheduling.factory import build_scheduler
 
     if not (Path(drafter_dir) / "config.json").is_file():
@@ -221,8 +225,10 @@ def drafter_engines(target, drafter_dir: Path, dtype: str):
     def proposer() -> DSparkProposer:  # one per engine: a proposer keeps its requests' drafting state
         return DSparkProposer(DSparkDrafter.from_pretrained(drafter_dir, target=target))
 
-    defaults = SpecEngine(target, reference_hybrid(proposer(), target), scheduler)
-    return defaults, SpecEngine(target, proposer(), scheduler)
+    drafter = "reference-dspark" if Path(drafter_dir) == reference_drafter_dir("reference-dspark") else str(drafter_dir)
+    defaults = SpecEngine(target, reference_hybrid(proposer(), target, drafter=drafter), scheduler)
+    alone = SpecEngine(target, reference_alone(proposer(), target, drafter=drafter), scheduler)
+    return defaults, SpecEngine(target, proposer(), scheduler), alone
 
 
 HEADERS = [

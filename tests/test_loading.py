@@ -53,3 +53,30 @@ def test_a_folder_without_a_drafter_says_so(make_target, tmp_path):
 def test_none_by_name_is_the_target_alone(make_target):
     assert isinstance(load_proposer("none", make_target("qwen2_vl")), NoDraft)
     assert drafter_names() == ["reference", "reference-dspark", "reference-dflash", "prompt-lookup", "none"]
+
+
+def test_dspark_alone_drafts_under_the_policy_with_costs_measured_at_load(make_target, astronaut):
+    """The reference SPS tables carry no drafting round yet: loading times one (no remembered constant)."""
+    from tiny_drafters import tiny_drafter
+
+    from vlmspec.drafters.dspark import DSparkProposer
+    from vlmspec.drafters.hybrid import HybridProposer
+    from vlmspec.engine import SpecEngine
+    from vlmspec.loading import reference_alone, reference_costs
+    from vlmspec.reference import reference_sps_table
+    from vlmspec.scheduling.tables import DraftTiming, load_sps_table
+
+    target = make_target("qwen2_vl")
+    model = DSparkProposer(tiny_drafter(target))
+    costs = reference_costs(model, target, drafter="tiny")
+    assert set(costs.draft_steps) == {"model", "ngram", "corpus"} and costs.draft_steps["model"] > 0
+    assert costs.draft_steps["ngram"] == costs.draft_steps["corpus"] == 0.0  # looked up every round anyway
+    table = load_sps_table(reference_sps_table("float32"))
+    assert table.drafting is None or table.drafting.drafter != "tiny"
+    proposer = reference_alone(model, target, drafter="tiny")
+    assert isinstance(proposer, HybridProposer) and proposer.sources == ("model",)
+    engine = SpecEngine(target, proposer)
+    assert engine.generate(astronaut, "Describe it.", max_new_tokens=8).token_ids == (
+        engine.generate(astronaut, "Describe it.", max_new_tokens=8, speculative=False).token_ids
+    )
+    assert isinstance(table.with_drafting(DraftTiming("tiny", {"model": 1e-3}, 1e-2)).drafting, DraftTiming)

@@ -28,6 +28,7 @@ from vlmspec.targets.adapter import QwenVLTarget, check_decode_mode, resolve_dty
 RANDOM_TARGET_SIZES = {"tiny": {}, "small": {"hidden_size": 512, "num_layers": 8}}
 REFERENCE_SPEC = "reference"
 PROMPT_LOOKUP = "prompt-lookup"
+REFERENCE_DSPARK = "reference-dspark"  # the reference DSpark drafter alone, under the drafting policy
 NO_DRAFTER = "none"  # the target alone, as None
 
 
@@ -112,6 +113,16 @@ def load_proposer(drafter: str | os.PathLike | Proposer | None, target: QwenVLTa
         from vlmspec.drafters.prompt_lookup import PromptLookup
 
         return PromptLookup()
+    proposer = model_proposer(drafter, target)
+    if str(drafter) == "reference":
+        return reference_hybrid(proposer, target)
+    if str(drafter) == REFERENCE_DSPARK:
+        return reference_alone(proposer, target)
+    return proposer
+
+
+def model_proposer(drafter: str | os.PathLike, target: QwenVLTarget) -> Proposer:
+    """The DSpark proposer of a reference drafter name or a saved drafter directory, on its own (no policy)."""
     from vlmspec.reference import REFERENCE_DRAFTERS, reference_drafter_dir
 
     path = reference_drafter_dir(str(drafter)) if str(drafter) in REFERENCE_DRAFTERS else Path(drafter)
@@ -119,8 +130,7 @@ def load_proposer(drafter: str | os.PathLike | Proposer | None, target: QwenVLTa
         raise FileNotFoundError(_unknown_drafter_message(str(drafter)))
     from vlmspec.drafters.dspark import DSparkDrafter, DSparkProposer
 
-    proposer = DSparkProposer(DSparkDrafter.from_pretrained(path, target=target))
-    return reference_hybrid(proposer, target) if str(drafter) == "reference" else proposer
+    return DSparkProposer(DSparkDrafter.from_pretrained(path, target=target))
 
 
 def drafter_names() -> list[str]:
@@ -146,23 +156,54 @@ def _unknown_drafter_message(spec: str) -> str:
     )
 
 
-def reference_hybrid(model: Proposer, target: QwenVLTarget) -> Proposer:
+def reference_hybrid(model: Proposer, target: QwenVLTarget, *, drafter: str = REFERENCE_DSPARK) -> Proposer:
     """The reference pair's default proposer: n-gram and corpus copies and ``model`` under the drafting policy.
 
-    Its costs are the reference target's SPS curve for the target's dtype and the measured
-    drafting cost of the reference drafter (:data:`vlmspec.reference.REFERENCE_DRAFT_STEPS`);
-    the corpus is the target's own answers to training prompts (:func:`vlmspec.reference.reference_corpus_path`).
+    Its costs are measured (:func:`reference_costs`; ``drafter`` names the model drafter they
+    are for); the corpus is the target's own answers to training prompts
+    (:func:`vlmspec.reference.reference_corpus_path`).
     """
     from vlmspec.drafters.corpus_lookup import CorpusLookup, TokenCorpus
     from vlmspec.drafters.hybrid import HybridProposer
     from vlmspec.drafters.prompt_lookup import PromptLookup
-    from vlmspec.reference import REFERENCE_DRAFT_STEPS, reference_corpus_path, reference_sps_table
-    from vlmspec.scheduling.policy import DraftCosts, DraftingPolicy
-    from vlmspec.scheduling.tables import load_sps_table
+    from vlmspec.reference import reference_corpus_path
+    from vlmspec.scheduling.policy import DraftingPolicy
 
-    dtype = "bfloat16" if target.dtype == torch.bfloat16 else "float32"
-    costs = DraftCosts.from_table(load_sps_table(reference_sps_table(dtype)), REFERENCE_DRAFT_STEPS[dtype])
     ngram = PromptLookup(max_draft_tokens=model.max_draft_tokens, max_ngram=4, min_ngram=2)
     corpus = CorpusLookup(TokenCorpus.load(reference_corpus_path()), max_draft_tokens=model.max_draft_tokens)
-    policy = DraftingPolicy(costs, priors={"model": 0.8, "ngram": 0.6, "corpus": 0.6})
+    policy = DraftingPolicy(reference_costs(model, target, drafter), priors={"model": 0.8, "ngram": 0.6, "corpus": 0.6})
     return HybridProposer(model, policy, ngram=ngram, corpus=corpus)
+
+
+def reference_alone(model: Proposer, target: QwenVLTarget, *, drafter: str = REFERENCE_DSPARK) -> Proposer:
+    """The reference DSpark drafter on its own, under the drafting policy: each round it drafts only where its
+    recent rounds say that pays (decided before the round's drafts exist), else the target runs alone.
+    """
+    from vlmspec.drafters.hybrid import HybridProposer
+    from vlmspec.scheduling.policy import DraftingPolicy
+
+    return HybridProposer(model, DraftingPolicy(reference_costs(model, target, drafter), priors={"model": 0.8}))
+
+
+def reference_costs(model: Proposer, target: QwenVLTarget, drafter: str = REFERENCE_DSPARK):
+    """The drafting policy's costs for ``model`` on the reference target, in the target's dtype: measured.
+
+    ``T_verify(n) / T(1)`` is the reference SPS curve (:func:`vlmspec.reference.reference_sps_table`).
+    ``T_draft / T(1)`` is the round the table carries (``vlmspec profile --drafter``) when it was
+    timed for ``drafter``; otherwise (a table profiled without it, or another drafter) it is
+    timed now, a second or so beside the target's step
+    (:func:`vlmspec.targets.profile.profile_draft_round`). The copy sources cost 0: their
+    lookups run every round before the choice (a sunk cost), so choosing one adds nothing.
+    """
+    from vlmspec.drafters.hybrid import CORPUS, NGRAM
+    from vlmspec.reference import reference_sps_table
+    from vlmspec.scheduling.policy import DraftCosts
+    from vlmspec.scheduling.tables import load_sps_table
+    from vlmspec.targets.profile import profile_draft_round
+
+    dtype = "bfloat16" if target.dtype == torch.bfloat16 else "float32"
+    table = load_sps_table(reference_sps_table(dtype))
+    timing = table.for_requests(1).drafting
+    if timing is None or timing.drafter != drafter:
+        timing = profile_draft_round(target, model, drafter=drafter, warmup=2, repeats=9)
+    return DraftCosts.from_table(table, {**timing.steps(), NGRAM: 0.0, CORPUS: 0.0})

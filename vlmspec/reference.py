@@ -122,17 +122,12 @@ def reference_assets_dir(path: str | os.PathLike | None = None) -> Path:
 
 # The drafters trained for the reference target by recipes/train_qwen3vl.py (see
 # recipes/README.md): DSpark (Markov head) and its DFlash ablation (no sequential head).
-# Drafter names -> their directory under assets/reference-drafter. "reference" is the default: the DSpark
-# drafter and n-gram prompt lookup under the drafting policy (vlmspec.loading); "reference-dspark" is the
-# DSpark drafter alone, drafting every round; "reference-dflash" its DFlash ablation.
+# Drafter names -> their directory under assets/reference-drafter. "reference" is the default: the
+# DSpark drafter and n-gram prompt lookup under the drafting policy (vlmspec.loading); "reference-dspark" is the
+# DSpark drafter alone under the drafting policy (it drafts where that pays); "reference-dflash" its DFlash
+# ablation, drafting every round. The policy's costs are measured, never remembered here:
+# vlmspec.loading.reference_costs.
 REFERENCE_DRAFTERS = {"reference": "dspark", "reference-dspark": "dspark", "reference-dflash": "dflash"}
-# A drafting round of the reference DSpark drafter in target steps (T_draft / T(1)) per dtype, measured on the
-# 2-core AVX-512 EPYC: 4-5 ms against a 13-15 ms bfloat16 step, 6.5-7.5 ms against 17-18 ms in float32.
-# An n-gram lookup costs about 0.1 ms, a corpus lookup about 0.15 ms.
-REFERENCE_DRAFT_STEPS = {
-    "bfloat16": {"model": 0.35, "ngram": 0.01, "corpus": 0.01},
-    "float32": {"model": 0.4, "ngram": 0.01, "corpus": 0.01},
-}
 
 
 def reference_sps_table(dtype: str = "float32") -> Path:
@@ -140,7 +135,8 @@ def reference_sps_table(dtype: str = "float32") -> Path:
 
     Measured on the fast runner (``decode="fast"``) on this project's 2-core AVX-512 machine.
     The demo's SPS scheduler reads it. Another machine has another curve: measure your own with
-    ``vlmspec profile --target reference --max-tokens 8 --dtype DTYPE --out sps.json`` and pass ``--sps sps.json``.
+    ``vlmspec profile --target reference --max-tokens 8 --dtype DTYPE --out sps.json`` and pass ``--sps sps.json``
+    (add ``--drafter reference-dspark`` to time the drafter's round beside the step, for the drafting policy).
     """
     path = Path(__file__).resolve().parent / "assets" / "reference-drafter" / f"sps-cpu-{dtype}.json"
     if not path.is_file():

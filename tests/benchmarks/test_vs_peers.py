@@ -28,6 +28,7 @@ def test_a_tiny_run_without_peers_writes_the_table_and_counts_identity(tmp_path)
     assert "transformers generate()" in table and "vlmspec target alone (fast runner)" in table
     assert f"{vs_peers.DEFAULTS} (previous drafter)" in table
     assert f"{vs_peers.DSPARK_EVERY_ROUND} (previous drafter)" in table
+    assert vs_peers.DSPARK_ALONE in table  # what reference-dspark loads: DSpark under the drafting policy
     assert "vs best exact llama.cpp" in table and "## Provenance" in table
     results = json.loads((out / "results.json").read_text())["results"]
     for name, result in results.items():

@@ -19,6 +19,7 @@ import torch
 
 from vlmspec.scheduling.policy import NONE, DraftCosts, DraftingPolicy, expected_steps_per_token, planned_drafts
 from vlmspec.scheduling.profiling import sps_preset
+from vlmspec.scheduling.tables import DraftTiming
 
 COSTS = DraftCosts(verify_steps=(1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7), draft_steps={"model": 0.4, "ngram": 0.0})
 TARGET_A, DRAFT_A = 0.7, 0.5
@@ -171,3 +172,26 @@ def test_a_causal_drafting_policy_keeps_the_target_distribution():
 def test_a_policy_that_peeks_at_its_draft_is_caught():
     observed, _ = simulate(peeking_decision, seed=0)
     assert within_bound(observed, 0.85) and not within_bound(observed, TARGET_A)
+
+
+def test_costs_come_from_the_drafting_round_the_table_carries_or_are_given():
+    table = sps_preset("cpu", max_tokens=8)
+    with pytest.raises(ValueError, match="vlmspec profile --drafter"):
+        DraftCosts.from_table(table)  # no remembered constant to fall back on
+    timed = table.with_drafting(DraftTiming(drafter="mine", round_s={"model": 0.0116}, step_s=0.116))
+    assert DraftCosts.from_table(timed).draft_steps == {"model": pytest.approx(0.1)}
+    assert DraftCosts.from_table(timed, {"model": 0.3}).draft_steps == {"model": 0.3}  # given costs win
+
+
+@pytest.mark.parametrize(("draft_steps", "declines_below"), [(0.1, 0.1), (0.35, 0.35)])
+def test_a_lone_model_declines_exactly_where_its_round_does_not_pay(draft_steps, declines_below):
+    """One source (DSpark alone): it drafts when (T_draft + T_verify(1 + v)) / (1 + a) < 1 step, else the target
+    runs alone; cheaper rounds pay at lower acceptance. Flat verify costs (the bf16 curve is flat to 4 tokens)."""
+    costs = DraftCosts(verify_steps=(1.0,) * 8, draft_steps={"model": draft_steps})
+    policy = DraftingPolicy(costs)
+    for accepted in (0.05, 0.2, 0.5, 1.5):
+        seen = policy.new_evidence(("model",))
+        seen["model"].accepted = accepted
+        expected = "model" if (draft_steps + 1.0) / (1 + accepted) < 1.0 else NONE
+        assert policy.choose(seen, {"model": 7}) == expected
+        assert (expected == NONE) == (accepted <= declines_below)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from vlmspec.scheduling import SPSMeta, SPSTable, measure_sps, plot_sps, profile_forward, sps_preset
-from vlmspec.scheduling.profiling import PRESETS
+from vlmspec.scheduling.profiling import PRESETS, time_drafting
+from vlmspec.scheduling.tables import DraftTiming
 
 META = SPSMeta(
     model="Qwen/Qwen2.5-VL-3B-Instruct", device="cuda:0", dtype="bfloat16", context_length=1024, hardware="H200"
@@ -233,3 +234,69 @@ def test_a_monotone_table_loads_unchanged_and_silently(tmp_path: Path, recwarn) 
     table = sps_preset("cpu", max_tokens=8)
     assert load_sps_table(table.save(tmp_path / "sps.json")) == table
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+# ----------------------------------------------------------------------------- drafting costs
+
+
+def test_time_drafting_alternates_round_and_step_and_takes_medians() -> None:
+    clock = FakeClock()
+    order: list[str] = []
+
+    def draft_round() -> None:
+        order.append("draft")
+        clock.now += 0.002 if len(order) != 7 else 1.0  # one outlier round: the median ignores it
+
+    def target_step() -> None:
+        order.append("step")
+        clock.now += 0.010
+
+    timing = time_drafting(draft_round, target_step, drafter="mine", warmup=1, repeats=5, clock=clock)
+    assert order == ["draft", "step"] * 6  # alternated: drift hits both alike
+    assert timing.round_s == {"model": pytest.approx(0.002)} and timing.step_s == pytest.approx(0.010)
+    assert timing.steps() == {"model": pytest.approx(0.2)} and timing.drafter == "mine" and timing.repeats == 5
+
+
+def test_drafting_costs_travel_with_the_table_and_old_tables_load_without(tmp_path: Path) -> None:
+    plain = SPSTable((1, 2, 4, 8), (50.0, 49.5, 48.0, 40.25), META)
+    timing = DraftTiming(drafter="reference-dspark", round_s={"model": 0.0012}, step_s=0.0115, repeats=15)
+    table = plain.with_drafting(timing)
+    loaded = SPSTable.load(table.save(tmp_path / "sps.json"))
+    assert loaded == table and loaded.drafting.steps() == {"model": pytest.approx(0.0012 / 0.0115)}
+    old = json.loads(plain.save(tmp_path / "old.json").read_text())
+    assert "drafting" not in old  # an older table (no key) loads, with no drafting costs
+    assert SPSTable.load(tmp_path / "old.json").drafting is None
+    assert table.fitted().drafting == timing  # fitting keeps them
+
+
+@pytest.mark.parametrize(
+    ("drafting", "message"),
+    [
+        ({"drafter": "x", "round_s": {"model": 0.001}}, "drafter, round_s and step_s"),
+        ({"drafter": "x", "round_s": {"model": -1.0}, "step_s": 0.01}, "finite seconds > 0"),
+        ({"drafter": "x", "round_s": {"model": 0.001}, "step_s": 0.01, "speed": 2}, "drafter, round_s and step_s"),
+    ],
+)
+def test_malformed_drafting_costs_are_refused(tmp_path: Path, drafting, message: str) -> None:
+    document = SPSTable((1, 2), (50.0, 49.0), META).to_dict()
+    document["drafting"] = drafting
+    (tmp_path / "bad.json").write_text(json.dumps(document))
+    with pytest.raises(ValueError, match=message):
+        SPSTable.load(tmp_path / "bad.json")
+
+
+def test_vlmspec_profile_with_a_drafter_writes_its_round_into_the_table(tmp_path: Path, make_target, capsys) -> None:
+    from tiny_drafters import tiny_drafter
+
+    from vlmspec.cli import main as cli
+    from vlmspec.scheduling.policy import DraftCosts
+    from vlmspec.scheduling.tables import load_sps_table
+
+    tiny_drafter(make_target("qwen2_vl")).save_pretrained(tmp_path / "drafter")
+    argv = ["profile", "--target", "tiny:qwen2_vl", "--max-tokens", "2", "--warmup", "0", "--repeats", "1"]
+    assert cli([*argv, "--drafter", str(tmp_path / "drafter"), "--out", str(tmp_path / "sps.json")]) == 0
+    table = load_sps_table(tmp_path / "sps.json")
+    assert table.drafting.drafter == str(tmp_path / "drafter") and table.drafting.repeats == 15
+    assert DraftCosts.from_table(table).draft_steps["model"] == pytest.approx(table.drafting.steps()["model"])
+    assert cli([*argv, "--requests", "1,2", "--drafter", "x", "--out", str(tmp_path / "batch.json")]) != 0
+    assert "without --requests" in capsys.readouterr().err

@@ -21,7 +21,7 @@ TARGET_HELP = (
 )
 DRAFTER_HELP = (
     "'reference' (the bundled pair's default: n-gram copies and its DSpark drafter under the drafting policy), "
-    "'reference-dspark' (that DSpark drafter alone), 'reference-dflash' (a bundled DFlash drafter), "
+    "'reference-dspark' (that DSpark drafter alone, drafting where it pays), 'reference-dflash' (a bundled DFlash drafter), "
     "'prompt-lookup' (n-gram copies from the prompt), 'none' (the target alone) or a DSpark drafter directory"
 )
 

@@ -20,10 +20,23 @@ def add_profile(commands) -> None:
         help="comma-separated numbers of concurrent requests, e.g. 1,4,16,32: time the batched (ragged) "
         "verification forward of each, for BatchEngine's schedulers",
     )
+<<<<<<< HEAD
     p.add_argument("--gamma", type=integer(1), default=7, help="drafts per request at most (with --requests)")
     p.add_argument("--context-length", type=integer(1), default=256, help="tokens already in the cache while timing")
     p.add_argument("--warmup", type=integer(0), default=3)
     p.add_argument("--repeats", type=integer(1), default=10)
+=======
+    p.add_argument("--gamma", type=int, default=7, help="drafts per request at most (with --requests)")
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="also time this drafter's round (a reference drafter name or a DSpark drafter directory) beside the "
+        "target's one-token step; the table carries it for the drafting policy (one request, without --requests)",
+    )
+    p.add_argument("--context-length", type=int, default=256, help="tokens already in the cache while timing")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=10)
+>>>>>>> draft
     p.set_defaults(run=_run_profile)
 
 
@@ -34,6 +47,8 @@ def _run_profile(args) -> int:
     from vlmspec.scheduling.profiling import plot_sps
     from vlmspec.targets.profile import profile_target, profile_target_batched
 
+    if args.requests and args.drafter:
+        raise ValueError("--drafter times one request's round: profile it without --requests")
     target = load_target(
         args.target,
         dtype=args.dtype,
@@ -60,8 +75,28 @@ def _run_profile(args) -> int:
             warmup=args.warmup,
             repeats=args.repeats,
         )
+        if args.drafter:
+            from vlmspec.loading import model_proposer
+            from vlmspec.targets.profile import profile_draft_round
+
+            table = table.with_drafting(
+                profile_draft_round(
+                    target,
+                    model_proposer(args.drafter, target),
+                    drafter=args.drafter,
+                    context_length=args.context_length,
+                    warmup=args.warmup,
+                    repeats=max(args.repeats, 15),
+                )
+            )
         curves, labels = [table], [table.meta.model]
     path = table.save(args.out)
+    if getattr(table, "drafting", None) is not None:
+        timing = table.drafting
+        for source, steps in timing.steps().items():
+            print(
+                f"{timing.drafter} ({source}): {1e3 * timing.round_s[source]:.2f} ms a round = {steps:.3f} target steps"
+            )
     for curve, label in zip(curves, labels):
         if len(curves) > 1:
             print(label)

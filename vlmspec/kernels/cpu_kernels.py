@@ -44,7 +44,8 @@ a shared counter), with a barrier between calls instead of a fork and a join per
 buffers allocated once per step; bit for bit the same results (``VLMSPEC_STEP_TEAM=0``
 keeps a region per call, for comparison).
 
-The kernels (``cpu_linear.cpp``, ``cpu_kernels.cpp``, ``cpu_step.cpp``, ``cpu_common.h``) are
+The kernels (``cpu_linear.cpp``, ``cpu_kernels.cpp``, ``cpu_step.cpp``, ``cpu_common.h``, and
+``cpu_draft.cpp``: a DSpark drafting round in one call, see :mod:`vlmspec.drafters.dspark.native`) are
 compiled on first use, once per machine and torch version, into ``$VLMSPEC_CACHE/kernels``
 (about 20 s; needs a C++ compiler, which ``scripts/setup.sh`` installs, and ninja, which
 ``pip install vlmspec`` brings; the compiler is ``c++`` or ``$CXX``, torch's convention).
@@ -77,7 +78,8 @@ ISA_ENV = "VLMSPEC_CPU_ISA"
 # region for the whole step with a barrier between calls (read at every step): for A/B timings.
 STEP_TEAM_ENV = "VLMSPEC_STEP_TEAM"
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_linear.cpp", "cpu_step.cpp", "cpu_sampling.cpp")
+    Path(__file__).with_name(name)
+    for name in ("cpu_kernels.cpp", "cpu_linear.cpp", "cpu_step.cpp", "cpu_sampling.cpp", "cpu_draft.cpp")
 )
 HEADER = Path(__file__).with_name("cpu_common.h")
 # Measured on the AVX2 EPYC, a pass over every linear of the reference target: the kernel

@@ -12,7 +12,10 @@ each way to run the round, in units of one target step ``T(1)``:
 
 ``a_s`` is what earlier rounds of the same request showed (an exponential average of the
 accepted drafts of the rounds that drafted from ``s``, starting from a prior), and the
-costs come from the SPS table (:class:`DraftCosts`). A source not chosen for
+costs are measured (:class:`DraftCosts`): ``T_verify`` from the SPS table, ``T_draft / T(1)``
+from a drafting round timed beside the target's step (the table's
+:class:`~vlmspec.scheduling.tables.DraftTiming`, or measured when the drafter is loaded),
+never a remembered constant. A source not chosen for
 ``probe_every`` rounds is tried once (its evidence would otherwise never change). A probe
 costs a drafting round, so a source whose last round had no draft survive waits twice as
 long before the next one (up to ``max_probe_every``), and one whose draft survived goes back
@@ -53,9 +56,19 @@ class DraftCosts:
             raise ValueError(f"draft_steps must be >= 0 target steps per round, got {dict(self.draft_steps)}")
 
     @classmethod
-    def from_table(cls, table: SPSTable | BatchSPSTable, draft_steps: Mapping[str, float]) -> DraftCosts:
-        """Verify costs from a measured SPS table (one request's curve), drafting costs as given."""
+    def from_table(cls, table: SPSTable | BatchSPSTable, draft_steps: Mapping[str, float] | None = None) -> DraftCosts:
+        """Verify costs from a measured SPS table (one request's curve); drafting costs as given, else the
+        table's own (its :class:`~vlmspec.scheduling.tables.DraftTiming`: ``T_draft / T(1)`` timed in one run).
+        """
         curve = table.for_requests(1)
+        if draft_steps is None:
+            if curve.drafting is None:
+                raise ValueError(
+                    "this SPS table carries no measured drafting costs: measure them with `vlmspec profile "
+                    "--drafter NAME` (or time a round with vlmspec.targets.profile.profile_draft_round) and pass "
+                    "draft_steps"
+                )
+            draft_steps = curve.drafting.steps()
         return cls(tuple(curve.sps(1) / curve.sps(n) for n in range(1, curve.max_tokens + 1)), dict(draft_steps))
 
     def verify(self, tokens: int) -> float:

@@ -2,7 +2,8 @@
 
 :func:`measure_sps` and :func:`profile_forward` time any callable ``step(n)`` that runs one
 forward with ``n`` tokens in flight (nothing here knows about models; the target's runner
-is timed by :mod:`vlmspec.targets.profile`), fit the curve non-decreasing and warn where a
+is timed by :mod:`vlmspec.targets.profile`), :func:`time_drafting` a drafting round beside a
+target step, fit the curve non-decreasing and warn where a
 measurement sits off the fit beyond its noise. :func:`sps_preset` gives named synthetic
 curves, :func:`plot_sps` draws curves. The tables themselves are :mod:`vlmspec.scheduling.tables`.
 """
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlmspec.scheduling.tables import SPSMeta, SPSTable, is_int, monotone_fit
+from vlmspec.scheduling.tables import DraftTiming, SPSMeta, SPSTable, is_int, monotone_fit
 
 PRESETS = ("appendix_a", "gpu_like", "cpu")
 
@@ -135,6 +136,42 @@ def profile_forward(
     return measure_sps(
         forward, max_tokens, meta=meta, warmup=warmup, repeats=repeats, token_counts=token_counts, synchronize=sync
     )
+
+
+def time_drafting(
+    draft_round: Callable[[], None],
+    target_step: Callable[[], None],
+    *,
+    drafter: str,
+    source: str = "model",
+    warmup: int = 3,
+    repeats: int = 15,
+    synchronize: Callable[[], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> DraftTiming:
+    """Median seconds of a drafting round and of a one-token target step, timed alternately in one run.
+
+    ``draft_round()`` runs one drafting round of one request (the drafter ``drafter``, as
+    draft source ``source``); ``target_step()`` one target forward of one token. They
+    alternate, so drift on a shared machine moves both medians alike and their ratio
+    (:meth:`DraftTiming.steps`, what the drafting policy reads) stays the pair's.
+    """
+    if not is_int(warmup) or warmup < 0 or not is_int(repeats) or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup!r}, repeats={repeats!r}")
+    sync = synchronize or (lambda: None)
+    rounds, steps = [], []
+    for index in range(warmup + repeats):
+        for work, times in ((draft_round, rounds), (target_step, steps)):
+            sync()
+            start = clock()
+            work()
+            sync()
+            if index >= warmup:
+                times.append(clock() - start)
+    draft_s, step_s = statistics.median(rounds), statistics.median(steps)
+    if not (draft_s > 0 and step_s > 0):
+        raise ValueError("a drafting round or a target step took no time; the clock must advance while they run")
+    return DraftTiming(drafter=drafter, round_s={source: draft_s}, step_s=step_s, repeats=repeats)
 
 
 # -- presets ----------------------------------------------------------------------------------

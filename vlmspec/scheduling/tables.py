@@ -14,6 +14,13 @@ own context). A :class:`BatchSPSTable` holds one curve per measured R
 schedulers use for a batch of R requests. Both kinds answer ``for_requests``, so a
 scheduler takes either.
 
+Drafting costs travel with the curve: ``vlmspec profile --drafter NAME`` also times a drafting
+round of that drafter beside a one-token step of the target, interleaved in one run
+(:class:`DraftTiming`), and the drafting policy reads ``T_draft / T(1)`` from it
+(:meth:`DraftTiming.steps`). A table without them (older tables, or profiled without
+``--drafter``) still loads; its ``drafting`` is None, and the loader measures the costs then
+(:func:`vlmspec.loading.reference_costs`).
+
 JSON layout of a saved table (``format`` and ``version`` are checked on load)::
 
     {"format": "vlmspec.sps_table", "version": 1,
@@ -21,7 +28,9 @@ JSON layout of a saved table (``format`` and ``version`` are checked on load)::
      "steps_per_s": [48.1, 47.9, ...],      # forward passes per second at each B
      "meta": {"model": ..., "device": ..., "dtype": ..., "context_length": ...,
               "hardware": ..., "model_config": {...}, "torch_version": ...,
-              "created": ..., "source": "measured", "warmup": 3, "repeats": 10, "notes": ""}}
+              "created": ..., "source": "measured", "warmup": 3, "repeats": 10, "notes": ""},
+     "drafting": {"drafter": "reference-dspark",  # optional: see DraftTiming
+                  "round_s": {"model": 0.0011}, "step_s": 0.0116, "repeats": 15}}
 """
 
 from __future__ import annotations
@@ -92,6 +101,46 @@ class SPSMeta:
 
 
 @dataclass(frozen=True)
+class DraftTiming:
+    """A drafting round's cost, timed beside the target's one-token step in the same run (medians, seconds).
+
+    ``round_s`` maps a draft source (``"model"``: the drafter named by ``drafter``) to the
+    seconds of one drafting round for one request; ``step_s`` is the one-token target step
+    timed between those rounds, so a busy machine slows both alike and :meth:`steps` (what
+    the drafting policy reads) stays a property of the pair.
+    """
+
+    drafter: str  # the drafter whose round "model" timed: a name ("reference-dspark") or a directory
+    round_s: dict[str, float]  # source -> seconds per drafting round
+    step_s: float  # seconds per one-token target step, timed between the rounds
+    repeats: int | None = None
+
+    def __post_init__(self) -> None:
+        values = [self.step_s, *self.round_s.values()]
+        if not isinstance(self.round_s, dict) or not all(isinstance(k, str) for k in self.round_s):
+            raise ValueError(f"round_s must map draft source names to seconds, got {self.round_s!r}")
+        if not all(_positive_number(v) for v in values):
+            raise ValueError(f"drafting round and step times must be finite seconds > 0, got {values}")
+
+    def steps(self) -> dict[str, float]:
+        """``T_draft / T(1)`` per source: what a drafting round costs in target steps."""
+        return {source: seconds / self.step_s for source, seconds in self.round_s.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, where: str) -> DraftTiming:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(data, dict) or not {"drafter", "round_s", "step_s"} <= set(data) or set(data) - fields:
+            raise ValueError(f"{where}: 'drafting' must hold drafter, round_s and step_s (and repeats); {_REGENERATE}")
+        try:
+            return cls(**data)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{where}: invalid 'drafting' ({error}); {_REGENERATE}") from None
+
+
+@dataclass(frozen=True)
 class SPSTable:
     """A measured (or preset) cost curve: ``tokens[i]`` tokens in flight run at ``steps_per_s[i]`` forwards/s.
 
@@ -104,6 +153,7 @@ class SPSTable:
     tokens: tuple[int, ...]
     steps_per_s: tuple[float, ...]
     meta: SPSMeta
+    drafting: DraftTiming | None = None  # a drafting round timed beside the target's step, if measured
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(self.tokens))
@@ -163,7 +213,12 @@ class SPSTable:
         if fit == step_time:
             return self
         notes = (self.meta.notes + "; " if self.meta.notes else "") + "steps/s fitted non-increasing when loaded"
-        return SPSTable(self.tokens, tuple(1.0 / t for t in fit), dataclasses.replace(self.meta, notes=notes))
+        meta = dataclasses.replace(self.meta, notes=notes)
+        return SPSTable(self.tokens, tuple(1.0 / t for t in fit), meta, self.drafting)
+
+    def with_drafting(self, drafting: DraftTiming) -> SPSTable:
+        """This curve carrying ``drafting`` (a drafting round timed beside the target's step)."""
+        return dataclasses.replace(self, drafting=drafting)
 
     def off_fit(self, tolerance: float = 1e-9) -> list[str]:
         """The points whose step time lies more than ``tolerance`` (relative) off :meth:`fitted`'s, described."""
@@ -182,13 +237,16 @@ class SPSTable:
             raise ValueError(f"{where} was measured for something else ({'; '.join(problems)}); {_REGENERATE}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "format": FORMAT,
             "version": VERSION,
             "tokens": list(self.tokens),
             "steps_per_s": list(self.steps_per_s),
             "meta": dataclasses.asdict(self.meta),
         }
+        if self.drafting is not None:
+            data["drafting"] = self.drafting.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: Any, *, where: str = "SPS table") -> SPSTable:
@@ -197,7 +255,9 @@ class SPSTable:
         if problem:
             raise ValueError(f"{where} is not a valid SPS table: {problem}; {_REGENERATE}")
         meta = SPSMeta(**{k: v for k, v in data["meta"].items() if k in _META_FIELDS})
-        return cls(tuple(data["tokens"]), tuple(data["steps_per_s"]), meta)
+        drafting = data.get("drafting")
+        drafting = None if drafting is None else DraftTiming.from_dict(drafting, where=where)
+        return cls(tuple(data["tokens"]), tuple(data["steps_per_s"]), meta, drafting)
 
     def save(self, path: str | Path) -> Path:
         """Write the table as JSON (parents created); returns the path."""
@@ -383,6 +443,10 @@ def _read_sps_table(path: Path) -> SPSTable | BatchSPSTable:
 
 _META_FIELDS = {f.name for f in dataclasses.fields(SPSMeta)}
 _REQUIRED_META = ("model", "device", "dtype", "context_length")
+
+
+def _positive_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
 def is_int(x: Any) -> bool:

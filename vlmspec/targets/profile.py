@@ -4,16 +4,19 @@
 :func:`profile_target_batched` times the ragged forward R concurrent requests share
 (:class:`~vlmspec.targets.ragged.RaggedBatch`), for each R asked for, with B tokens from R
 (anchors only) to ``R * (1 + gamma)`` spread as evenly over the rows as a step would.
+:func:`profile_draft_round` times a drafter's round beside the one-token step (the drafting
+policy's ``T_draft / T(1)``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from vlmspec.scheduling.profiling import profile_forward
-from vlmspec.scheduling.tables import BatchSPSTable, SPSTable
+from vlmspec.scheduling.tables import BatchSPSTable, DraftTiming, SPSTable
 from vlmspec.targets.adapter import QwenVLTarget
 from vlmspec.targets.ragged import RaggedBatch
 
@@ -102,6 +105,58 @@ def profile_target_batched(
             )
         )
     return BatchSPSTable(tuple(counts), tuple(curves))
+
+
+def profile_draft_round(
+    target: QwenVLTarget,
+    proposer: Any,
+    *,
+    drafter: str,
+    context_length: int = 256,
+    span: int = 2,
+    warmup: int = 3,
+    repeats: int = 15,
+) -> DraftTiming:
+    """Time one request's drafting round of ``proposer`` beside the target's one-token step (the runner's).
+
+    The proposer (any :class:`~vlmspec.drafters.base.Proposer`, duck-typed: ``targets/`` does
+    not import drafters) first absorbs a ``context_length``-token prompt, then every round a
+    span of ``span`` committed tokens (a round's accepted drafts plus one) with their target
+    features (random: the cost does not depend on them) and drafts greedily. The target step
+    is the forward :func:`profile_target` times for one token, rolled back after each.
+    """
+    from vlmspec.scheduling.profiling import time_drafting
+    from vlmspec.types import ContextUpdate, SamplingParams
+
+    ids = filler_ids(target, context_length)
+    batch = RaggedBatch(target, initial_capacity=context_length + 1)
+    batch.prefill([ids[0]])
+    width = len(proposer.feature_layers) * target.hidden_size
+    generator = torch.Generator().manual_seed(0)
+    state, position = proposer.new_state(), 0
+    greedy = SamplingParams(temperature=0.0)
+
+    def draft_round(n: int = span) -> None:
+        nonlocal position
+        features = torch.randn(n, width, generator=generator).to(target.dtype) if width else None
+        update = ContextUpdate(
+            token_ids=ids[0, :n].cpu(),
+            positions=torch.arange(position, position + n),
+            features=features,
+            anchor=int(ids[0, 0]),
+            anchor_position=position + n,
+        )
+        position += n
+        proposer.propose([state], [update], [greedy], [generator])
+
+    draft_round(context_length)  # the prompt
+    probe = ids[0, :1].cpu()[None]  # [1, 1]
+
+    def target_step() -> None:
+        batch.verify(probe, torch.tensor([1]))
+        batch.advance([0])
+
+    return time_drafting(draft_round, target_step, drafter=drafter, warmup=warmup, repeats=repeats)
 
 
 def spread(num_tokens: int, rows: int) -> torch.Tensor:  # -> [rows] int64, summing to num_tokens

@@ -45,11 +45,38 @@ class DraftContextCache:
             buffer_v[:, :, self._length : end] = v
         self._length = end
 
+<<<<<<< HEAD
     def truncate(self, length: int) -> None:
         """Forget the context after its first ``length`` tokens (a propose that failed gives back what it appended)."""
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot truncate a context of {self._length} tokens to {length}")
         self._length = length
+=======
+    def reserve(
+        self, num_layers: int, shape: tuple[int, int, int], dtype: torch.dtype, length: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The whole key and value buffers, one per layer (each [B, Hkv, capacity, hd], ``shape`` = (B, Hkv, hd)),
+        grown to hold at least ``length`` tokens: for a writer that fills slots past ``len(self)`` itself (the
+        native drafting round), then counts the ones it added with :meth:`advance`."""
+        batch, heads, head_dim = shape
+        if not self._keys:
+            for buffers in (self._keys, self._values):
+                buffers.extend(
+                    torch.empty(batch, heads, max(self._initial_capacity, length), head_dim, dtype=dtype)
+                    for _ in range(num_layers)
+                )
+        elif len(self._keys) != num_layers or tuple(self._keys[0].shape[:2]) != (batch, heads):
+            raise ValueError("the buffers do not match (layers, batch or heads differ): one cache per drafter")
+        if length > self._keys[0].shape[2]:
+            self._grow(max(length, 2 * self._keys[0].shape[2]))
+        return self._keys, self._values
+
+    def advance(self, n: int) -> None:
+        """Count ``n`` more tokens as held: their slots were written through :meth:`reserve`'s buffers."""
+        if not 0 <= self._length + n <= (self._keys[0].shape[2] if self._keys else 0):
+            raise ValueError(f"cannot advance {n} tokens past the reserved buffers")
+        self._length += n
+>>>>>>> draft
 
     def layers(self) -> ContextKV:
         """Views of the held context, one (keys, values) pair per layer."""

@@ -38,6 +38,7 @@ from vlmspec.drafters.base import check_batch
 from vlmspec.drafters.dspark.backbone import ContextKV
 from vlmspec.drafters.dspark.cache import DraftContextCache
 from vlmspec.drafters.dspark.model import DSparkDrafter
+from vlmspec.drafters.dspark.native import MAX_SPAN, NativeRound
 from vlmspec.kernels.linear import FastLinears
 from vlmspec.types import ContextUpdate, DraftBlock, SamplingParams
 
@@ -71,6 +72,7 @@ class DSparkProposer:
         self._feature_width = len(config.target_layer_ids) * config.target_hidden_size
         self._padded: _PaddedContexts | None = None
         self._fast_linears = FastLinears(drafter)  # the drafter's linears in the CPU kernels' layout (see propose)
+        self._native = NativeRound(drafter)  # one request's whole round in one native call, where it applies
 
     def new_state(self) -> DSparkState:
         return DSparkState()
@@ -94,6 +96,9 @@ class DSparkProposer:
         """
         check_batch(states, updates, params, generators)
         features = [self._checked_features(update) for update in updates]  # every update, before any state changes
+        if len(states) == 1 and self._native.available():
+            with self._rolled_back_on_failure(states):
+                return self._propose_native(states[0], updates[0], features[0], params[0], generators[0])
         with self._fast_linears, self._rolled_back_on_failure(states):
             spans = self._absorb(states, updates, features)
             anchors = torch.tensor([update.anchor for update in updates], device=self.device)  # [R]
@@ -129,6 +134,31 @@ class DSparkProposer:
                 state.cache.truncate(length)
             self._padded = None  # extended in place for these states: rebuilt from their caches next time
             raise
+
+    def _propose_native(
+        self,
+        state: DSparkState,
+        update: ContextUpdate,
+        features: torch.Tensor,  # [n, m * d_target]
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> DraftBlock:
+        """One request's round in one native call (:class:`~vlmspec.drafters.dspark.native.NativeRound`)."""
+        positions = update.positions
+        if features.shape[0] > MAX_SPAN:  # a prompt: its context K/V through the PyTorch GEMMs first
+            with self._fast_linears:
+                self._absorb([state], [update], [features])
+            features, positions = features[:0], positions[:0]
+        temperature = 0.0 if params.greedy else params.temperature
+        tokens, probs, confidences = self._native(
+            state.cache, features, positions, update.anchor, update.anchor_position, temperature, generator
+        )
+        return DraftBlock(
+            tokens=tokens[None],
+            num_tokens=torch.full((1,), tokens.shape[0], dtype=torch.long),
+            draft_probs=None if probs is None else self.drafter.scatter_to_target(probs)[None],
+            confidences=None if confidences is None else confidences[None],
+        )
 
     def _checked_features(self, update: ContextUpdate) -> torch.Tensor:  # -> [n, m * d_target]
         n = update.positions.shape[0]
