@@ -20,23 +20,16 @@ def add_profile(commands) -> None:
         help="comma-separated numbers of concurrent requests, e.g. 1,4,16,32: time the batched (ragged) "
         "verification forward of each, for BatchEngine's schedulers",
     )
-<<<<<<< HEAD
     p.add_argument("--gamma", type=integer(1), default=7, help="drafts per request at most (with --requests)")
-    p.add_argument("--context-length", type=integer(1), default=256, help="tokens already in the cache while timing")
-    p.add_argument("--warmup", type=integer(0), default=3)
-    p.add_argument("--repeats", type=integer(1), default=10)
-=======
-    p.add_argument("--gamma", type=int, default=7, help="drafts per request at most (with --requests)")
     p.add_argument(
         "--drafter",
         default=None,
         help="also time this drafter's round (a reference drafter name or a DSpark drafter directory) beside the "
         "target's one-token step; the table carries it for the drafting policy (one request, without --requests)",
     )
-    p.add_argument("--context-length", type=int, default=256, help="tokens already in the cache while timing")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=10)
->>>>>>> draft
+    p.add_argument("--context-length", type=integer(1), default=256, help="tokens already in the cache while timing")
+    p.add_argument("--warmup", type=integer(0), default=3)
+    p.add_argument("--repeats", type=integer(1), default=10)
     p.set_defaults(run=_run_profile)
 
 

@@ -45,13 +45,12 @@ class DraftContextCache:
             buffer_v[:, :, self._length : end] = v
         self._length = end
 
-<<<<<<< HEAD
     def truncate(self, length: int) -> None:
         """Forget the context after its first ``length`` tokens (a propose that failed gives back what it appended)."""
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot truncate a context of {self._length} tokens to {length}")
         self._length = length
-=======
+
     def reserve(
         self, num_layers: int, shape: tuple[int, int, int], dtype: torch.dtype, length: int
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -76,7 +75,6 @@ class DraftContextCache:
         if not 0 <= self._length + n <= (self._keys[0].shape[2] if self._keys else 0):
             raise ValueError(f"cannot advance {n} tokens past the reserved buffers")
         self._length += n
->>>>>>> draft
 
     def layers(self) -> ContextKV:
         """Views of the held context, one (keys, values) pair per layer."""
