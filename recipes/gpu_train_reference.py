@@ -5,19 +5,18 @@
 The 10x plan (recipes/continue_10x.sh) trains the DSpark drafter for 40,000 steps of one
 sequence with up to 128 anchor blocks (5.1M blocks) on one CPU core, about 11 hours. On a
 GPU the same blocks go through in 1,250 steps of 32 sequences (the same learning rate
-schedule over the same data: 1.4 epochs), with features computed online by the target
+schedule; on one H200, 1.05-1.22 s a step: more than a session's 15 device minutes, hence
+``--max-minutes``), with features computed online by the target
 and the committed answers (``--answers``, recipes/data/reference-10x) replayed into a
 tokens-only cache, so nothing is regenerated. The drafter starts from ``--init-from``
 (the committed one) and the held-out tau before and after is in ``OUT/report.json``.
 
-What it needs on that machine, all carried with the working tree (the device tool carries
-at most 64 MiB in all, the tree included): the answers (about 3 MB), the prompt file with
-its images (the mix is seeded, but its sources, ../shared/data and the easy-vqa package,
-are not there), and the target. :func:`carry_plan` adds these up against the limit before
-a GPU is asked for. As of this writing the tree alone is 56 MiB (the two shipped drafters are
-46 MiB of it), and the reference target's 30 decoder layers are 63 MiB in the GGUF's own
-Q4_1 blocks, its tied embedding 29 MiB in Q8_0: the full-size run does not fit one call, not
-even with an empty tree (recipes/README.md, "The 10x run", has the arithmetic).
+What it needs on that machine (the device tool carries at most 64 MiB a call, the tree
+included): the target (SmolLM2's GGUF, 94 MiB), the drafter to start from, the tokens-only
+cache, the prompt file and the pictures its image prompts name. recipes/gpu_stage.py carries
+them over back-to-back calls and recipes/gpu_device_call.sh runs each call;
+recipes/README.md ("On a GPU") has the commands and what a run measured. ``--max-minutes``
+fits the schedule to the lease; ``--plan PATH`` adds up what one call would carry.
 
 The test suite runs this script on a CPU at toy scale (tiny target, a few steps).
 """
@@ -42,6 +41,7 @@ CARRY_LIMIT = 64 * 2**20  # bytes the device tool carries per call, the working 
 # The 10x plan's blocks (40,000 steps x 1 sequence) in GPU-sized steps.
 PLAN_SEQUENCES, GPU_BATCH = 40_000, 32
 EVAL_IDS = "eval-ids.txt"  # in an answers directory: the cached sequences its runs hold out, by id
+STATE = REPO / "recipes" / "reference_10x.state"  # how many training prompts the committed answers cover
 
 
 def gpu_options(args: argparse.Namespace) -> list[str]:
@@ -49,6 +49,7 @@ def gpu_options(args: argparse.Namespace) -> list[str]:
     steps = args.steps or PLAN_SEQUENCES // args.batch_size
     return [
         *("--target", str(args.target), "--prompts", str(args.prompts), "--out", str(args.out)),
+        *("--num-prompts", str(args.num_prompts)),
         *("--answers", str(args.answers), "--cache", str(args.cache), "--cache-contents", "tokens"),
         *("--heldout-prompts", str(args.heldout_prompts), "--max-new-tokens", str(args.max_new_tokens)),
         *("--temperature", "0", "--steps", str(steps), "--batch-size", str(args.batch_size)),
@@ -56,8 +57,17 @@ def gpu_options(args: argparse.Namespace) -> list[str]:
         *("--eval-every", str(max(steps // 8, 1)), "--save-every", "0", "--log-every", str(max(steps // 50, 1))),
         *("--eval-max-new-tokens", "64", *heldout_options(args)),
         *(("--init-from", str(args.init_from)) if args.init_from else ()),
+        *(("--max-minutes", str(args.max_minutes)) if args.max_minutes else ()),
         *args.recipe_options,
     ]
+
+
+def answered_prompts(state: Path = STATE) -> int:
+    """The training prompts the committed answers cover (``REGENERATED_PROMPTS`` of the 10x run's state file)."""
+    for line in state.read_text().splitlines():
+        if line.startswith("REGENERATED_PROMPTS="):
+            return int(line.split("=", 1)[1].split("#", 1)[0])
+    raise ValueError(f"{state} has no REGENERATED_PROMPTS line; pass --num-prompts")
 
 
 def heldout_options(args: argparse.Namespace) -> tuple[str, ...]:
@@ -94,6 +104,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--init-from", type=Path, default=None, help="drafter to start from (the committed one)")
     parser.add_argument("--batch-size", type=int, default=GPU_BATCH, help="sequences a step")
     parser.add_argument("--steps", type=int, default=None, help="default: the 10x plan's 40,000 sequences")
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="training prompts (default: those the committed answers cover, so nothing is regenerated)",
+    )
+    parser.add_argument(
+        "--max-minutes", type=float, default=None, help="wall-clock budget of the training steps (the lease's minutes)"
+    )
     parser.add_argument("--heldout-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument(
@@ -105,6 +124,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("recipe_options", nargs="*", help="more train_qwen3vl.py options, after --")
     args = parser.parse_args(argv)
     args.cache = args.cache or args.out / "cache"
+    args.num_prompts = args.num_prompts or answered_prompts()
     return args
 
 

@@ -176,6 +176,13 @@ def _training_options(group) -> None:
         help="a file naming the held-out cached sequences, one id a line (a staged run's split: stable as its "
         "cache grows; their other turns are held out too); replaces --eval-sequences",
     )
+    add(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="wall-clock budget of the training steps: once the pace is measured, the schedule is shortened to "
+        "end in time (e.g. a lent GPU's minutes)",
+    )
     add("--save-every", type=int, default=500, help="steps between checkpoints (0: end)")
     add("--log-every", type=int, default=10, help="steps between metrics.jsonl records")
     add("--num-workers", type=int, default=0, help="DataLoader workers per process")
@@ -284,6 +291,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         log_every=args.log_every,
         seed=args.seed,
         num_workers=args.num_workers,
+        max_minutes=args.max_minutes,
     )
 
 

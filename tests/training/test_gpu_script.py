@@ -16,7 +16,7 @@ SCRIPT = Path(__file__).parents[2] / "recipes" / "gpu_train_reference.py"
 TINY = [
     *("--feature-layers", "1,2", "--draft-hidden", "64", "--draft-layers", "1", "--draft-heads", "4"),
     *("--draft-head-dim", "16", "--draft-intermediate", "128", "--head-rank", "32", "--block-size", "4"),
-    *("--draft-vocab", "2000", "--num-prompts", "8", "--threads", "1", "--skip-calibration"),
+    *("--draft-vocab", "2000", "--threads", "1", "--skip-calibration"),
 ]
 
 
@@ -24,7 +24,7 @@ def run(script, target, tmp_path: Path, out: str, *extra: str) -> dict:
     argv = [
         *("--target", "tiny:qwen2_5_vl", "--prompts", str(GSM8K_MINI), "--out", str(tmp_path / out)),
         *("--answers", str(tmp_path / "answers"), "--heldout-prompts", "2", "--max-new-tokens", "12"),
-        *("--batch-size", "2", "--steps", "4", "--eval-sequences", "2", *extra, "--", *TINY),
+        *("--batch-size", "2", "--steps", "4", "--eval-sequences", "2", "--num-prompts", "8", *extra, "--", *TINY),
     ]
     return script.main(argv, target=target)
 
@@ -65,3 +65,15 @@ def test_the_gpu_script_holds_out_the_sequences_its_answers_name(tmp_path):
     assert script.heldout_options(args) == ("--eval-ids", str(tmp_path / "eval-ids.txt"))
     committed = script.parse_args(argv)  # the 10x run's answers name chunk 1's held-out sequences
     assert script.gpu_options(committed)[-2:] == ["--eval-ids", str(committed.answers / "eval-ids.txt")]
+
+
+def test_the_gpu_script_trains_on_the_answered_prompts_within_its_minutes(tmp_path):
+    script = load_script(SCRIPT)
+    argv = ["--target", "reference", "--prompts", "p.jsonl", "--out", str(tmp_path / "o")]
+    options = script.gpu_options(script.parse_args(argv))
+    # The committed answers cover REGENERATED_PROMPTS of the state file: nothing is regenerated on the GPU.
+    state = dict(line.split("#")[0].strip().split("=") for line in script.STATE.read_text().splitlines() if "=" in line)
+    assert options[options.index("--num-prompts") + 1] == state["REGENERATED_PROMPTS"]
+    assert "--max-minutes" not in options
+    timed = script.gpu_options(script.parse_args([*argv, "--max-minutes", "4.5"]))
+    assert timed[timed.index("--max-minutes") + 1] == "4.5"

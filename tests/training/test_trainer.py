@@ -118,3 +118,28 @@ def test_heldout_split_without_ids_is_seeded_and_at_most_a_fifth():
 def test_the_10x_runs_held_out_sequences_are_named_once():
     ids = (Path(__file__).parents[2] / "recipes/data/reference-10x/eval-ids.txt").read_text().split()
     assert len(ids) == len(set(ids)) == 32 and all(i.startswith("prompts:") and "#" in i for i in ids)
+
+
+def test_a_wall_clock_budget_shortens_the_schedule_and_still_finishes_it(target, small_cache, tmp_path):
+    # A budget long spent by the first step: the schedule ends there, with its final evaluation and drafter.
+    trainer = Trainer(tiny_drafter(target), small_cache, tmp_path, config(steps=40, save_every=0, max_minutes=1e-9))
+    summary = trainer.train()
+    assert summary.steps == 1 and summary.planned_steps == 40 and summary.final_eval
+    assert trainer.config.steps == 1  # the schedule's length: the learning rate decays by the new last step
+    assert (tmp_path / "drafter" / "model.safetensors").is_file()
+    with pytest.raises(ValueError, match="max_minutes"):
+        TrainConfig(max_minutes=0)
+
+
+def test_the_budget_times_the_pace_after_the_warm_up_steps_and_fits_the_steps_to_the_deadline():
+    from vlmspec.training.schedule import PACE_SKIP_STEPS, PACE_STEPS, TimeBudget
+
+    clock = iter([0.0]).__next__
+    budget = TimeBudget(minutes=1.0, start_step=0, planned_steps=1000, clock=clock)  # deadline at 60 s
+    # Slow first steps (compilation) are not the pace: 10 s until the mark, then 0.5 s a step.
+    assert budget.steps_that_fit(PACE_SKIP_STEPS, now=10.0) is None
+    assert budget.steps_that_fit(PACE_SKIP_STEPS + 1, now=10.5) is None
+    fits = budget.steps_that_fit(PACE_SKIP_STEPS + PACE_STEPS, now=10.0 + 0.5 * PACE_STEPS)
+    assert budget.seconds_a_step == pytest.approx(0.5)
+    assert fits == PACE_SKIP_STEPS + PACE_STEPS + int((60 - 10 - 0.5 * PACE_STEPS) / 0.5)
+    assert budget.steps_that_fit(10_000, now=61.0) == 10_000  # past the deadline: stop now

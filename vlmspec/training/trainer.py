@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from vlmspec.training.checkpoints import Checkpoints, TrainState
 from vlmspec.training.losses import LossSums, LossWeights, block_terms, reduce_terms
 from vlmspec.training.metrics import LossWindow, MetricsLog, detached, peak_memory_mb
 from vlmspec.training.packing import PackedBatch, PackedDataset, collate
-from vlmspec.training.schedule import EpochSampler, warmup_cosine
+from vlmspec.training.schedule import EpochSampler, TimeBudget, warmup_cosine
 
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 
@@ -70,6 +70,9 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     num_workers: int = 0
+    # Wall-clock budget of Trainer.train's steps (evaluations included, the final one and the last save not):
+    # once the pace is measured, the schedule (steps, warm-up and cosine) is shortened so the run ends in time.
+    max_minutes: float | None = None
 
     def __post_init__(self) -> None:
         counts = ("steps", "batch_size", "num_anchors", "grad_accum", "chunk_tokens", "log_every", "keep_checkpoints")
@@ -81,6 +84,8 @@ class TrainConfig:
             raise ValueError("need lr > 0, 0 <= warmup_ratio < 1 and 0 <= min_lr_ratio <= 1")
         if self.mixed_precision not in MIXED_PRECISION:
             raise ValueError(f"mixed_precision must be one of {MIXED_PRECISION}, got {self.mixed_precision!r}")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise ValueError(f"max_minutes must be positive (or None: no budget), got {self.max_minutes!r}")
 
     @property
     def warmup_steps(self) -> int:
@@ -170,6 +175,7 @@ class TrainSummary:
     last_loss: float | None
     final_eval: dict[str, Any]
     drafter_dir: str
+    planned_steps: int | None = None  # the steps asked for, where max_minutes shortened the schedule
 
 
 class Trainer:
@@ -205,8 +211,10 @@ class Trainer:
         train_dataset, self.eval_dataset = self._datasets(cache)
         module = DraftLossModule(self.drafter, config, self.attention, train_dataset.context_window)
         optimizer = adamw(list(self.drafter.parameters()), config)
+        # self.config, not config: a wall-clock budget may shorten the schedule while it runs.
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: warmup_cosine(s, config.steps, config.warmup_steps, config.min_lr_ratio)
+            optimizer,
+            lambda s: warmup_cosine(s, self.config.steps, self.config.warmup_steps, self.config.min_lr_ratio),
         )
         train_loader = self._loader(train_dataset, shuffle=True)
         eval_loader = self._loader(self.eval_dataset, shuffle=False) if self.eval_dataset else None
@@ -218,6 +226,7 @@ class Trainer:
         self.state = TrainState()
         self.metrics_log = MetricsLog(self.accelerator, self.output_dir)
         self.checkpoints = Checkpoints(self.accelerator, self.output_dir, config.keep_checkpoints, self.state)
+        self._budget: TimeBudget | None = None  # train() starts the clock of config.max_minutes
 
     # ------------------------------------------------------------------ set-up
     def _freeze_vocabulary(self, drafter: DSparkDrafter) -> None:
@@ -262,7 +271,8 @@ class Trainer:
         if resume_from is not None:
             self.load_checkpoint(resume_from)
         accelerator, config = self.accelerator, self.config
-        stop = config.steps if until is None else min(until, config.steps)
+        planned = config.steps
+        self._budget = TimeBudget(config.max_minutes, self.state.step, planned) if config.max_minutes else None
         if accelerator.is_main_process:
             print(self.where_it_stands(resume_from), flush=True)
         bar = tqdm(
@@ -274,7 +284,7 @@ class Trainer:
             dynamic_ncols=True,
         )
         self._window, self._losses = LossWindow(), []
-        while self.state.step < stop:
+        while self.state.step < self._stop(until):
             tick = time.perf_counter()  # training time includes loading batches, not evaluations or checkpoints
             for batch in self._epoch_batches():
                 sums, stepped = self._micro_step(batch)
@@ -283,14 +293,14 @@ class Trainer:
                 self._window.add(sums, config.loss)
                 if stepped:
                     self._after_step(bar)
-                if self.state.step >= stop:
+                if self.state.step >= self._stop(until):
                     break
                 tick = time.perf_counter()
             else:
                 self.state.epoch += 1
                 self.state.batch_in_epoch = 0
         bar.close()
-        finished = self.state.step >= config.steps
+        finished = self.state.step >= self.config.steps
         final_eval = self.evaluate() if finished else {}
         drafter_dir = self.save_checkpoint(final=finished)
         return TrainSummary(
@@ -303,7 +313,12 @@ class Trainer:
             last_loss=self._losses[-1] if self._losses else None,
             final_eval=final_eval,
             drafter_dir=str(drafter_dir),
+            planned_steps=planned if self.config.steps != planned else None,
         )
+
+    def _stop(self, until: int | None) -> int:
+        """The step to stop after: the schedule's last, or ``until`` if sooner."""
+        return self.config.steps if until is None else min(until, self.config.steps)
 
     def where_it_stands(self, resumed_from: str | Path | None = None) -> str:
         """One line for the log: resumed or fresh, steps done and left, blocks seen, epoch."""
@@ -353,6 +368,7 @@ class Trainer:
         """Count the optimizer step; log, evaluate and checkpoint when due."""
         self.state.step += 1
         bar.update(1)
+        self._fit_schedule_to_budget(bar)
         step, config = self.state.step, self.config
         if step % config.log_every == 0 or step == config.steps:
             record = self._log_train(self._window)
@@ -367,6 +383,31 @@ class Trainer:
             self.evaluate()
         if config.save_every and step % config.save_every == 0 and step < config.steps:
             self.save_checkpoint()
+
+    def _fit_schedule_to_budget(self, bar) -> None:
+        """With ``max_minutes``: fit the schedule to the steps that fit before the deadline, at the measured pace.
+
+        The pace is measured again every ``PACE_STEPS`` steps (early steps run slower while the device
+        warms up, so the first estimate is low), and the schedule follows it, never past the steps
+        asked for; the warm-up is over by then (it is a percent of the steps), so the learning rate
+        still decays to its floor by the last step instead of stopping mid-cosine.
+        """
+        budget = self._budget
+        if budget is None:
+            return
+        fits = budget.steps_that_fit(self.state.step, time.perf_counter())
+        steps = None if fits is None else min(max(fits, self.state.step), budget.planned_steps)
+        if steps is None or steps == self.config.steps:
+            return
+        self.config = replace(self.config, steps=steps)
+        bar.total = self.config.steps
+        if self.accelerator.is_main_process and not budget.announced:
+            budget.announced = True
+            print(
+                f"train drafter: the {budget.minutes:g}-minute budget fits {self.config.steps} steps at "
+                f"{budget.seconds_a_step:.3f} s a step; the schedule is shortened to end there",
+                flush=True,
+            )
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
