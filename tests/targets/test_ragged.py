@@ -109,7 +109,8 @@ def test_a_bounded_pool_refuses_a_forward_it_cannot_hold_and_leaves_the_rows_as_
     from vlmspec.targets.pool import KVPoolFull
 
     target = make_target("qwen2_vl")
-    batch = RaggedBatch(target, initial_capacity=16, max_blocks=3)  # 48 slots in all
+    per_block = RaggedBatch(target).pool.bytes_per_block()
+    batch = RaggedBatch(target, initial_capacity=16, kv_cache_bytes=3 * per_block + 1)  # 3 blocks: 48 slots
     ids = torch.arange(1, 31)  # 30 tokens: two blocks
     batch.prefill([ids])
     with pytest.raises(KVPoolFull, match="budget"):

@@ -33,6 +33,11 @@ import torch
 DEFAULT_BLOCK_SIZE = 16
 
 
+def block_bytes(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int) -> int:
+    """Bytes of one block of ``block_size`` slots over every layer, keys and values."""
+    return 2 * num_layers * kv_heads * block_size * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
 class KVPoolFull(RuntimeError):
     """The pool has fewer free blocks than asked for and may not grow (its ``max_blocks`` is reached)."""
 
@@ -94,7 +99,7 @@ class KVPool:
     def bytes_per_block(self) -> int:
         """Bytes of one block over every layer, keys and values."""
         heads, size, dim = self._shape
-        return 2 * self._num_layers * heads * size * dim * torch.tensor([], dtype=self._dtype).element_size()
+        return block_bytes(self._num_layers, heads, dim, self._dtype, size)
 
     def blocks_for(self, tokens: int) -> int:
         """Blocks that hold ``tokens`` slots."""

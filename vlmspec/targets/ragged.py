@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from vlmspec.kernels.cpu_kernels import attention_applies, paged_attention
 from vlmspec.targets.adapter import QwenVLTarget, RequestState, TargetStep
 from vlmspec.targets.families import language_model
-from vlmspec.targets.pool import DEFAULT_BLOCK_SIZE, KVPool
+from vlmspec.targets.pool import DEFAULT_BLOCK_SIZE, KVPool, block_bytes
 from vlmspec.targets.prompts import RowPrompt, VisionEmbeds, as_row_prompt, pack_vision, text_model_inputs
 
 RAGGED_ATTENTION = "vlmspec_ragged"
@@ -109,26 +109,33 @@ class RaggedBatch:
         feature_layers: Sequence[int] = (),
         initial_capacity: int = 256,
         block_size: int = DEFAULT_BLOCK_SIZE,
-        max_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
     ):
         """``initial_capacity``: token slots the pool starts with (it grows on demand); ``block_size``: slots a
-        block; ``max_blocks``: the most blocks the pool may hold (None: unbounded; see :class:`KVPool`)."""
+        block; ``kv_cache_bytes``: the most bytes of KV the pool may hold (None: unbounded; see :class:`KVPool`)."""
         _check_attention(target)
         self.target = target
         self.feature_layers = target.check_feature_layers(feature_layers)
         self.lengths = torch.zeros(0, dtype=torch.long)  # [R] committed tokens per row
         self.rope_deltas = torch.zeros(0, dtype=torch.long)  # [R]
         config = target.model.config.get_text_config()
-        self.pool = KVPool(
-            num_layers=config.num_hidden_layers,
-            kv_heads=config.num_key_value_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-            dtype=target.dtype,
-            device=target.device,
-            block_size=block_size,
-            initial_blocks=-(-initial_capacity // block_size),
-            max_blocks=max_blocks,
-        )
+        shape = {
+            "num_layers": config.num_hidden_layers,
+            "kv_heads": config.num_key_value_heads,
+            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            "dtype": target.dtype,
+            "block_size": block_size,
+        }
+        max_blocks = None
+        if kv_cache_bytes is not None:
+            max_blocks = kv_cache_bytes // block_bytes(**shape)
+            if max_blocks < 1:
+                raise ValueError(
+                    f"a KV memory budget of {kv_cache_bytes:,} bytes holds no block of {block_size} tokens "
+                    f"({block_bytes(**shape):,} bytes for this target): raise it"
+                )
+        initial_blocks = -(-initial_capacity // block_size)
+        self.pool = KVPool(**shape, device=target.device, initial_blocks=initial_blocks, max_blocks=max_blocks)
         self._blocks: list[list[int]] = []  # [R] each row's block ids, in order
         self._tables = torch.zeros(4, 4, dtype=torch.long)  # [R_cap, M_cap]: _blocks as a tensor, row r in row r
         self._pending: torch.Tensor | None = None  # [R] tokens of the last verify not yet confirmed
