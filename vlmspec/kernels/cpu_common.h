@@ -214,6 +214,8 @@ struct HeadSlots {
   const KVPages* pages;
   int64_t row, g;
   int64_t operator()(int64_t j) const { return pages->at(row, g, j); }
+  // Slots from j to the end of j's block (one block a row: to the end of the row's buffer).
+  int64_t left(int64_t j) const { return pages->bs - (j & pages->mask); }
 };
 
 // Norm, RoPE + KV write and attention (cpu_kernels.cpp), also called by the layer loop (cpu_step.cpp).

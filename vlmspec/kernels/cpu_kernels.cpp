@@ -292,9 +292,8 @@ void weighted_values(const uint16_t* values, const HeadSlots& slot, int64_t visi
   for (int g = 0; g < G; ++g)
     for (int u = 0; u < U; ++u)
       for (int c = 0; c < C; ++c) even[g][u][c] = odd[g][u][c] = _mm512_setzero_ps();
-  auto add_value = [&](int u, int64_t j) __attribute__((always_inline)) {
+  auto add_value = [&](int u, int64_t j, const uint16_t* value) __attribute__((always_inline)) {
     __m512 ev[C], od[C];
-    const uint16_t* value = values + slot(j);
     for (int c = 0; c < C; ++c) {
       const __m512i v = _mm512_loadu_si512(value + 32 * c);
       ev[c] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -308,10 +307,17 @@ void weighted_values(const uint16_t* values, const HeadSlots& slot, int64_t visi
       }
     }
   };
-  int64_t j = 0;
-  for (; j + U <= visible; j += U)
-    for (int u = 0; u < U; ++u) add_value(u, j + u);
-  for (; j < visible; ++j) add_value(0, j);
+  // Key j goes to sums j % U, in increasing j: a block's run starts at an even slot (bs is a multiple of
+  // 16, or the row's one block starts at 0), so pairing within runs pairs the keys as one run over the row.
+  for (int64_t start = 0; start < visible;) {
+    const int64_t run = std::min(slot.left(start), visible - start);  // slots from `start` on in its block
+    const uint16_t* base = values + slot(start);
+    int64_t i = 0;
+    for (; i + U <= run; i += U)
+      for (int u = 0; u < U; ++u) add_value(u, start + i + u, base + (i + u) * hd);
+    for (; i < run; ++i) add_value(0, start + i, base + i * hd);
+    start += run;
+  }
   // Normalise, round to bfloat16 (nearest even; NaN to 0x7FC0, as c10::BFloat16) and put each
   // pair back together: the even dim in a lane's low half, the odd one in its high half.
   auto rounded = [&](__m512 x) __attribute__((always_inline)) {
