@@ -142,6 +142,55 @@ def test_decode_attention_gives_a_token_the_same_result_alone_and_in_a_verify(
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", ["native", "avx2"])  # native: the AVX512-BF16 form where the CPU has it
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (32, 7, 1), (40, 4, 2)])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_paged_attention_equals_decode_attention_over_the_same_slots_bit_for_bit(
+    isa, dtype, head_dim, heads, kv_heads, block_size, monkeypatch
+):
+    # The runner's pool: each row's slots in blocks scattered over the pool. Read through the block
+    # tables, the attention must sum the same slots in the same order as over a contiguous row.
+    if isa == "avx2":
+        monkeypatch.setenv("VLMSPEC_CPU_ISA", "avx2")
+    generator = torch.Generator().manual_seed(head_dim + block_size)
+    slots = 200
+    keys = torch.randn(2, kv_heads, slots, head_dim, generator=generator).to(dtype)  # [R, Hkv, S, hd]
+    values = torch.randn(2, kv_heads, slots, head_dim, generator=generator).to(dtype)
+    width = -(-slots // block_size)
+    blocks = torch.randperm(2 * width + 3, generator=generator)[: 2 * width].view(2, width)  # [R, M]
+    pool_k = torch.randn(2 * width + 3, kv_heads, block_size, head_dim, generator=generator).to(dtype)
+    pool_v = torch.randn(2 * width + 3, kv_heads, block_size, head_dim, generator=generator).to(dtype)
+    for row in range(2):
+        for j in range(slots):
+            pool_k[blocks[row, j // block_size], :, j % block_size] = keys[row, :, j]
+            pool_v[blocks[row, j // block_size], :, j % block_size] = values[row, :, j]
+    query = torch.randn(9, heads, head_dim, generator=generator).to(dtype)
+    rows = torch.tensor([1] * 7 + [0, 0])
+    visible = torch.tensor([15, 16, 17, 63, 64, 65, 200, 1, 129])
+    expected = cpu_kernels.decode_attention(query, keys, values, rows, visible, head_dim**-0.5)
+    paged = cpu_kernels.paged_attention(query, pool_k, pool_v, blocks, rows, visible, head_dim**-0.5)
+    assert torch.equal(paged, expected)
+    alone = cpu_kernels.paged_attention(query[6:7], pool_k, pool_v, blocks, rows[6:7], visible[6:7], head_dim**-0.5)
+    assert torch.equal(alone[0], expected[6])  # one token alone: another thread split, the same sums
+
+
+@needs_kernel
+def test_paged_attention_refuses_blocks_it_cannot_read_and_tables_outside_the_pool():
+    pool = torch.zeros(4, 1, 24, 8)  # 24 slots a block: not a power of two
+    tables = torch.tensor([[0, 1]])
+    with pytest.raises(RuntimeError, match="power of two"):
+        cpu_kernels.paged_attention(
+            torch.zeros(1, 1, 8), pool, pool, tables, torch.tensor([0]), torch.tensor([30]), 1.0
+        )
+    pool = torch.zeros(4, 1, 16, 8)
+    with pytest.raises(RuntimeError, match="not in the pool"):
+        cpu_kernels.paged_attention(
+            torch.zeros(1, 1, 8), pool, pool, torch.tensor([[0, 9]]), torch.tensor([0]), torch.tensor([30]), 1.0
+        )
+
+
+@needs_kernel
 def test_decode_attention_refuses_a_row_outside_the_buffer():
     keys = torch.zeros(1, 1, 4, 8)
     with pytest.raises(RuntimeError, match="out of range"):

@@ -162,6 +162,8 @@ def test_models_health_and_metrics(live, client):
         "vlmspec_generation_tokens_total",
         "vlmspec_spec_tau",
         "vlmspec_num_requests_waiting",
+        "vlmspec_kv_cache_blocks_used",
+        "vlmspec_kv_cache_usage_ratio",
         "vlmspec_time_to_first_token_seconds_count",
     ):
         assert name in text

@@ -39,18 +39,20 @@ def isa(request, monkeypatch):
 
 
 class Slots:
-    """A ragged batch's KV buffers and each packed token's row and slot (the decoder's KVSlots)."""
+    """A KV pool, the rows' block tables and each packed token's row and slot (the decoder's KVSlots)."""
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], rows, slots) -> None:
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], tables, rows, slots) -> None:
         self.keys, self.values = keys, values
-        self.rows, self.slots = rows, slots  # [B] int64 each
+        self.tables, self.rows, self.slots = tables, rows, slots  # [R, M], [B], [B] int64
+        size = keys[0].shape[2]
+        self.blocks, self.offsets = tables[rows, slots // size], slots % size  # [B] each
 
     def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer], self.values[layer]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys[layer][self.rows, :, self.slots] = k
-        self.values[layer][self.rows, :, self.slots] = v
+        self.keys[layer][self.blocks, :, self.offsets] = k
+        self.values[layer][self.blocks, :, self.offsets] = v
         return self.buffers(layer)
 
 
@@ -58,18 +60,24 @@ def target_of(make_target, family: str, dtype: torch.dtype):
     return make_target(family) if dtype == torch.float32 else make_target(family, dtype=dtype)
 
 
-def random_buffers(decoder: PackedDecoder, rows: int, capacity: int, dtype: torch.dtype, seed: int):
-    """Finite random keys and values in every slot, so that a wrong slot or row shows in the result."""
+def random_buffers(decoder: PackedDecoder, blocks: int, block_size: int, dtype: torch.dtype, seed: int):
+    """Finite random keys and values in every slot, so that a wrong block or slot shows in the result."""
     generator = torch.Generator().manual_seed(seed)
-    shape = (rows, decoder.kv_heads, capacity, decoder.head_dim)
+    shape = (blocks, decoder.kv_heads, block_size, decoder.head_dim)
     return [torch.randn(shape, generator=generator).to(dtype) for _ in decoder.layers]
 
 
 def packed_step(decoder: PackedDecoder, per_row: list[int], dtype: torch.dtype):
-    """One packed forward over rows with committed lengths 5, 0, 9: logits, features and the KV buffers after it."""
-    lengths = torch.tensor([5, 0, 9])
-    keys = random_buffers(decoder, 3, 16, dtype, seed=1)
-    values = random_buffers(decoder, 3, 16, dtype, seed=2)
+    """One packed forward over rows with committed lengths 21, 0, 9: logits, features and the KV pool after it.
+
+    The pool holds 8 blocks of 16 slots, and each row's two blocks are scattered over it (row 0's
+    slots cross from its first block into its second), so a slot read through the wrong table entry
+    shows in the result.
+    """
+    lengths = torch.tensor([21, 0, 9])
+    tables = torch.tensor([[5, 2], [7, 0], [1, 6]])  # [R, M]
+    keys = random_buffers(decoder, 8, 16, dtype, seed=1)
+    values = random_buffers(decoder, 8, 16, dtype, seed=2)
     counts = torch.tensor(per_row)
     rows = torch.repeat_interleave(torch.arange(3), counts)  # [B]
     offsets = torch.arange(rows.numel()) - (torch.cumsum(counts, 0) - counts)[rows]
@@ -79,11 +87,12 @@ def packed_step(decoder: PackedDecoder, per_row: list[int], dtype: torch.dtype):
     visible = slots + 1
 
     def attend(q, k, v, scaling):  # the runner's attention wherever the kernel applies
-        return cpu_kernels.decode_attention(q, k, v, rows, visible, scaling)
+        return cpu_kernels.paged_attention(q, k, v, tables, rows, visible, scaling)
 
     before = [k.clone() for k in keys]
-    logits, features = decoder(ids, positions, Slots(keys, values, rows, slots), attend, FEATURE_LAYERS)
-    return logits, features, keys, values, before, (rows, slots)
+    kv = Slots(keys, values, tables, rows, slots)
+    logits, features = decoder(ids, positions, kv, attend, FEATURE_LAYERS)
+    return logits, features, keys, values, before, (kv.blocks, kv.offsets)
 
 
 @pytest.mark.parametrize("family", NATIVE_FAMILIES)
@@ -95,7 +104,7 @@ def test_native_loop_equals_the_python_loop_bit_for_bit(make_target, family, dty
     assert native.native is not None, "this family should take the native loop on this machine"
     assert native.layers[0].qkv.backend in (("kernel",) if isa == "avx2" else ("packed", "kernel"))
     python.native = None
-    logits, features, keys, values, before, (rows, slots) = packed_step(native, per_row, dtype)
+    logits, features, keys, values, before, (blocks, offsets) = packed_step(native, per_row, dtype)
     expected_logits, expected_features, expected_keys, expected_values, _, _ = packed_step(python, per_row, dtype)
     assert logits.dtype == torch.float32 and features.shape == (
         sum(per_row),
@@ -105,9 +114,9 @@ def test_native_loop_equals_the_python_loop_bit_for_bit(make_target, family, dty
     assert torch.equal(features, expected_features)
     for layer in range(len(keys)):
         assert torch.equal(keys[layer], expected_keys[layer]) and torch.equal(values[layer], expected_values[layer])
-    written = torch.zeros(keys[0].shape[0], keys[0].shape[2], dtype=torch.bool)  # [R, S]
-    written[rows, slots] = True
-    changed = (keys[0] != before[0]).any(dim=-1).any(dim=1)  # [R, S]: slots whose keys the step rewrote
+    written = torch.zeros(keys[0].shape[0], keys[0].shape[2], dtype=torch.bool)  # [N, bs]
+    written[blocks, offsets] = True
+    changed = (keys[0] != before[0]).any(dim=-1).any(dim=1)  # [N, bs]: slots whose keys the step rewrote
     assert torch.equal(changed, written)  # the new keys landed in their slots, and nowhere else
 
 

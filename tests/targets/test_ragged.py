@@ -80,6 +80,49 @@ def test_rows_leave_and_join_between_steps(make_target, astronaut):
         batch.advance(keep)
 
 
+def test_rows_hold_the_blocks_their_slots_need_and_a_removed_row_frees_them_without_moving_kv(make_target, astronaut):
+    target = make_target("qwen2_vl")
+    batch = RaggedBatch(target, feature_layers=LAYERS, initial_capacity=16)  # one block: the pool must grow
+    size = batch.pool.block_size
+    steps = batch.prefill([target.row_prompt(item) for item in prompts(target, astronaut.resize((64, 64)))])
+    assert len(steps) == 3
+    held = [batch.blocks_of(row) for row in range(3)]
+    assert [len(blocks) for blocks in held] == [-(-int(n) // size) for n in batch.lengths]
+    assert len({block for blocks in held for block in blocks}) == batch.pool.num_used  # no block in two rows
+    keys_before = [k.clone() for k in batch.pool.keys]
+    free_before = batch.pool.num_free
+    assert batch.remove(0) == 2
+    assert batch.pool.num_free == free_before + len(held[0])  # freed at once
+    assert batch.blocks_of(0) == held[2] and batch.blocks_of(1) == held[1]  # the last row's table moved, not its KV
+    assert all(torch.equal(a, b) for a, b in zip(batch.pool.keys, keys_before, strict=True))
+    # A verify that crosses into a new block takes one from the pool; rollback keeps the row's blocks.
+    row_length = int(batch.lengths[0])
+    width = size - row_length % size + 1  # one slot past the row's last block
+    step = batch.verify(torch.ones(2, width, dtype=torch.long), torch.tensor([width, 1]))
+    assert step.logits.shape[:2] == (2, width)
+    assert len(batch.blocks_of(0)) == len(held[2]) + 1
+    batch.advance([1, 1])
+    assert len(batch.blocks_of(0)) == len(held[2]) + 1
+
+
+def test_a_bounded_pool_refuses_a_forward_it_cannot_hold_and_leaves_the_rows_as_they_were(make_target):
+    from vlmspec.targets.pool import KVPoolFull
+
+    target = make_target("qwen2_vl")
+    per_block = RaggedBatch(target).pool.bytes_per_block()
+    batch = RaggedBatch(target, initial_capacity=16, kv_cache_bytes=3 * per_block + 1)  # 3 blocks: 48 slots
+    ids = torch.arange(1, 31)  # 30 tokens: two blocks
+    batch.prefill([ids])
+    with pytest.raises(KVPoolFull, match="budget"):
+        batch.prefill([ids])  # two more blocks: one is left
+    assert batch.num_rows == 1 and batch.pool.num_used == 2
+    with pytest.raises(KVPoolFull):
+        batch.verify(torch.ones(1, 20, dtype=torch.long), torch.tensor([20]))  # 50 slots: a fourth block
+    assert batch.lengths.tolist() == [30] and batch.pool.num_used == 2
+    step = batch.verify(torch.ones(1, 2, dtype=torch.long), torch.tensor([2]))  # 32 slots: still two blocks
+    assert torch.isfinite(step.logits).all()
+
+
 def test_a_failed_forward_leaves_every_row_intact(make_target):
     target = make_target("qwen2_vl")
     inputs = target.build_inputs(None, "Count to ten.")

@@ -7,6 +7,7 @@ import os
 from vlmspec.commands.options import build_engine, integer, target_options
 from vlmspec.server.limits import RequestLimits
 from vlmspec.serving.admission import DEFAULT_MAX_PREFILL_TOKENS
+from vlmspec.serving.memory import parse_kv_cache_memory
 from vlmspec.targets.inputs import ImageLimits
 
 API_KEY_VARIABLE = "VLMSPEC_API_KEY"
@@ -51,6 +52,15 @@ def add_serve(commands) -> None:
         help="prompt tokens one step prefills while requests decode (at least one prompt), so new prompts "
         f"interleave with decode steps instead of stalling them (default: {DEFAULT_MAX_PREFILL_TOKENS})",
     )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=parse_kv_cache_memory,
+        default=None,
+        help="most memory the KV cache may hold: bytes (268435456, 256MB, 2GiB) or a fraction of RAM (0.25). A "
+        "request is admitted when the KV blocks it can ever need (prompt + max_tokens) fit beside the running "
+        "ones; one that never can gets HTTP 400 (default: half the RAM available at start)",
+    )
+
     p.add_argument(
         "--default-max-tokens", type=integer(1), default=256, help="when a request sets no max_tokens (default 256)"
     )
@@ -150,6 +160,7 @@ def _run_serve(args) -> int:
         max_batch_size=args.max_batch_size,
         speculate_up_to=args.speculate_up_to,
         max_prefill_tokens=args.max_prefill_tokens,
+        kv_cache_memory=args.kv_cache_memory,
     )
     name = args.served_model_name or Path(str(args.target)).name
     cap = "always" if args.speculate_up_to is None else f"up to {args.speculate_up_to} running"

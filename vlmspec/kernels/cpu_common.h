@@ -178,12 +178,54 @@ bool cpu_has_avx512();
 // Whether AVX512-BF16 kernels may run here (cpu_linear.cpp; false under VLMSPEC_CPU_ISA=avx2).
 bool cpu_has_avx512_bf16();
 
+// ---- the block-paged KV pool (vlmspec/targets/pool.py) -----------------------------------------
+// A layer's keys (and values) are a pool of blocks [N, Hkv, bs, hd]. Row r's slot j lives in block
+// tables[r * width + j / bs] at offset j % bs. A contiguous buffer [R, Hkv, S, hd] is the pool in which
+// row r owns the one block r of S slots (decode_attention's form). The attention reads keys in groups of
+// up to 16 slots that start at a multiple of 16, so a pool of several blocks per row needs bs a power of
+// two and a multiple of 16: a group never straddles two blocks.
+struct KVPages {
+  const int64_t* tables;  // [R, width] int64: each row's blocks, in order
+  int64_t width;          // blocks per table row
+  int64_t Hkv, bs, hd;    // the pool's KV heads, block size and head dim
+  int shift;              // log2(bs), or 63 where every row has one block (j >> 63 == 0 for a slot j >= 0)
+  int64_t mask;           // bs - 1, or all ones with one block
+
+  KVPages(const int64_t* tables_, int64_t width_, const at::Tensor& pool) : tables(tables_), width(width_) {
+    Hkv = pool.size(1), bs = pool.size(2), hd = pool.size(3);
+    if (width == 1) {
+      shift = 63, mask = -1;
+    } else {
+      shift = 0;
+      while ((int64_t{1} << shift) < bs) ++shift;
+      mask = bs - 1;
+    }
+  }
+  // Whether a pool of these blocks can be read through such tables (see above).
+  static bool readable(int64_t width, int64_t bs) { return width == 1 || (bs >= 16 && bs % 16 == 0 && (bs & (bs - 1)) == 0); }
+  // Element offset of row `row`'s slot j for KV head g in the pool (keys and values alike).
+  int64_t at(int64_t row, int64_t g, int64_t j) const {
+    return ((tables[row * width + (j >> shift)] * Hkv + g) * bs + (j & mask)) * hd;
+  }
+};
+
+// One (row, KV head)'s slots: the offset of slot j, and of a group of slots that share a block.
+struct HeadSlots {
+  const KVPages* pages;
+  int64_t row, g;
+  int64_t operator()(int64_t j) const { return pages->at(row, g, j); }
+  // Slots from j to the end of j's block (one block a row: to the end of the row's buffer).
+  int64_t left(int64_t j) const { return pages->bs - (j & pages->mask); }
+};
+
 // Norm, RoPE + KV write and attention (cpu_kernels.cpp), also called by the layer loop (cpu_step.cpp).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin, at::Tensor keys,
                       at::Tensor values, const at::Tensor& rows, const at::Tensor& slots, int64_t heads);
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                             const at::Tensor& rows, const at::Tensor& visible, double scaling);
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                           const at::Tensor& tables, const at::Tensor& rows, const at::Tensor& visible, double scaling);
 
 // The same three on raw pointers into tensors the caller checked and allocated (the native step's
 // team calls them; `grain`: tasks at or below which one thread does the call, see split_tasks).
@@ -194,7 +236,7 @@ void rope_write_into(const void* qkv, const void* cos, const void* signed_sin, c
                      void* q, int64_t grain);
 int64_t attention_grain(int64_t seen, int64_t H, int64_t hd, int64_t B);  // decode_attention's (seen: keys read)
 void attention_into(const void* query, bool bf16_q, const at::Tensor& keys, const at::Tensor& values,
-                    const int64_t* rows, const int64_t* visible, int64_t B, int64_t H, double scaling, int64_t grain,
-                    void* out);
+                    const KVPages& pages, const int64_t* rows, const int64_t* visible, int64_t B, int64_t H,
+                    double scaling, int64_t grain, void* out);
 
 }  // namespace vlmspec_cpu

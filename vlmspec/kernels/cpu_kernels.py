@@ -35,7 +35,11 @@ It reads bfloat16 K/V as stored (``vdpbf16ps`` scores on AVX512-BF16), allocates
 but its output and splits (token, head) tasks over the threads: the reference target's 30
 layers over 256 cached keys take about 0.3 ms for one token and 1.3 ms for eight (before:
 0.9 and 3.6 ms, best of a shared machine's runs).
-:func:`rope_write` rotates q and k and writes the new K/V in one call.
+:func:`paged_attention` is the same attention over a block-paged KV pool (each row's slots read
+through its block table: the runner's pool, :mod:`vlmspec.targets.pool`); a contiguous buffer is
+the pool with one block a row, which is what :func:`decode_attention` reads.
+:func:`rope_write` rotates q and k and writes the new K/V in one call (at a block and an offset
+in it, or a row and a slot of a contiguous buffer).
 :func:`decoder_layers` runs every decoder layer of a step in one call: these kernels, called
 from C++ in the Python loop's order (``cpu_step.cpp``; see :mod:`vlmspec.targets.packed`).
 Where every linear is packed (AVX-512), the whole step runs in one parallel region: the
@@ -154,14 +158,33 @@ def decode_attention(
     return torch.ops.vlmspec.decode_attention(query, keys, values, rows, visible, scaling)
 
 
+def paged_attention(
+    query: torch.Tensor,  # [B, H, hd] packed, rotated queries
+    keys: torch.Tensor,  # [N, Hkv, bs, hd] one layer's block pool, new keys written
+    values: torch.Tensor,  # [N, Hkv, bs, hd]
+    tables: torch.Tensor,  # [R, M] int64 each row's blocks in order: slot j is in block tables[r, j // bs]
+    rows: torch.Tensor,  # [B] int64 row of each query
+    visible: torch.Tensor,  # [B] int64 slots it attends: 0 .. visible - 1 of its row
+    scaling: float,
+) -> torch.Tensor:  # [B, H, hd] in query's dtype
+    """:func:`decode_attention` over a block-paged KV pool: each row's slots are read through its block table.
+
+    Slot j of row r is at ``keys[tables[r, j // bs], :, j % bs]``. ``bs`` must be a power of
+    two and a multiple of 16 (the kernel reads 16 slots at a time from one block), unless
+    each row has one block (``M == 1``: a contiguous buffer, any ``bs``). The sums run over
+    the slots in the same order as :func:`decode_attention`'s: the same result bit for bit.
+    """
+    return torch.ops.vlmspec.paged_attention(query, keys, values, tables, rows, visible, scaling)
+
+
 def rope_write(
     qkv: torch.Tensor,  # [B, (H + 2 Hkv) * hd] one layer's fused q/k/v projections
     cos: torch.Tensor,  # [B, hd] in qkv's dtype
     signed_sin: torch.Tensor,  # [B, hd] the sin with its first half negated
-    keys: torch.Tensor,  # [R_cap, Hkv, S_cap, hd] written at [rows[b], :, slots[b]]
-    values: torch.Tensor,  # [R_cap, Hkv, S_cap, hd]
-    rows: torch.Tensor,  # [B] int64
-    slots: torch.Tensor,  # [B] int64
+    keys: torch.Tensor,  # [N, Hkv, bs, hd] written at [rows[b], :, slots[b]] (a pool: block, offset in it)
+    values: torch.Tensor,  # [N, Hkv, bs, hd]
+    rows: torch.Tensor,  # [B] int64 block (a contiguous buffer: row) of each token
+    slots: torch.Tensor,  # [B] int64 offset in that block (a contiguous buffer: slot)
     heads: int,
 ) -> torch.Tensor:  # q [B, H, hd], rotated
     """RoPE on q and k (transformers' roundings) and the K/V write into the buffers, in one call."""
@@ -179,10 +202,11 @@ def decoder_layers(
     signed_sin: torch.Tensor,  # [B, hd] the sin with its first half negated
     weights: list[torch.Tensor | None],  # per layer: input norm, qkv W, b, o W, b, post norm, gate_up W, b, down W, b
     out_features: list[int],  # per layer: the qkv, o, gate_up and down linears' output sizes
-    keys: list[torch.Tensor],  # per layer [R_cap, Hkv, S_cap, hd], written at [rows[b], :, slots[b]]
-    values: list[torch.Tensor],  # per layer [R_cap, Hkv, S_cap, hd]
-    rows: torch.Tensor,  # [B] int64
-    slots: torch.Tensor,  # [B] int64; token b attends slots 0 .. slots[b] of its row
+    keys: list[torch.Tensor],  # per layer [N, Hkv, bs, hd] block pool (see paged_attention)
+    values: list[torch.Tensor],  # per layer [N, Hkv, bs, hd]
+    tables: torch.Tensor,  # [R, M] int64 each row's blocks
+    rows: torch.Tensor,  # [B] int64 row of each token
+    slots: torch.Tensor,  # [B] int64 its slot in its row: written there, attends slots 0 .. slots[b]
     heads: int,
     eps: float,
     scaling: float,
@@ -194,12 +218,25 @@ def decoder_layers(
     reads; biases may be None. :class:`vlmspec.targets.packed.PackedDecoder` builds the lists.
     """
     return torch.ops.vlmspec.decoder_layers(
-        hidden, cos, signed_sin, weights, out_features, keys, values, rows, slots, heads, eps, scaling, feature_layers
+        hidden,
+        cos,
+        signed_sin,
+        weights,
+        out_features,
+        keys,
+        values,
+        tables,
+        rows,
+        slots,
+        heads,
+        eps,
+        scaling,
+        feature_layers,
     )
 
 
 def attention_applies(keys: torch.Tensor, head_dim: int) -> bool:
-    """Whether :func:`decode_attention` can read this KV buffer here."""
+    """Whether :func:`decode_attention` and :func:`paged_attention` can read this KV buffer (or pool) here."""
     return keys.is_contiguous() and head_dim % 8 == 0 and kernel_applies(keys)
 
 

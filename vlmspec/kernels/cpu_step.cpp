@@ -26,8 +26,10 @@ enum LinearSlot : int64_t { kQkvOut, kOutOut, kGateUpOut, kDownOut, kLinearsPerL
 // What every layer of one step shares.
 struct StepInputs {
   at::Tensor cos, signed_sin;  // [B, hd] in the model's dtype
-  at::Tensor rows, slots;      // [B] int64: each packed token's buffer row and slot
-  at::Tensor visible;          // [B] int64: slots + 1, a token sees its row up to its own slot
+  at::Tensor tables;           // [R, M] int64: each row's blocks in the KV pool
+  at::Tensor rows;             // [B] int64: each packed token's row
+  at::Tensor blocks, offsets;  // [B] int64: the pool block its K/V go to, and the offset in it
+  at::Tensor visible;          // [B] int64: its slot + 1, a token sees its row up to its own slot
   int64_t heads;
   double eps, scaling;
 };
@@ -116,8 +118,8 @@ at::Tensor attention_block(const at::Tensor& hidden, const LayerWeights& layer, 
                            const StepInputs& step) {
   const at::Tensor x = rms_norm(hidden, layer.get(kInputNorm), step.eps);
   const at::Tensor qkv = linear(x, layer, kQkv, kQkvOut);  // [B, (H + 2 Hkv) hd]
-  const at::Tensor q = rope_write(qkv, step.cos, step.signed_sin, keys, values, step.rows, step.slots, step.heads);
-  const at::Tensor attended = decode_attention(q, keys, values, step.rows, step.visible, step.scaling);
+  const at::Tensor q = rope_write(qkv, step.cos, step.signed_sin, keys, values, step.blocks, step.offsets, step.heads);
+  const at::Tensor attended = paged_attention(q, keys, values, step.tables, step.rows, step.visible, step.scaling);
   return at::add(hidden, linear(attended.reshape({hidden.size(0), -1}), layer, kOut, kOutOut));
 }
 
@@ -255,8 +257,10 @@ std::vector<at::Tensor> team_step(const std::vector<TeamLayer>& layers, const at
   std::vector<at::Tensor> out(1 + feature_layers.size());
   for (size_t j = 0; j < feature_layers.size(); ++j) out[1 + j] = at::empty({B, d}, options);
   const int64_t* rows = step.rows.data_ptr<int64_t>();
-  const int64_t* slots = step.slots.data_ptr<int64_t>();
+  const int64_t* blocks = step.blocks.data_ptr<int64_t>();
+  const int64_t* offsets = step.offsets.data_ptr<int64_t>();
   const int64_t* visible = step.visible.data_ptr<int64_t>();
+  const KVPages pages(step.tables.data_ptr<int64_t>(), step.tables.size(1), keys[0]);
   const int64_t grain = attention_grain(step.visible.sum().item<int64_t>(), H, hd, B);
   const bool bf16 = hidden.scalar_type() == at::kBFloat16;
   std::atomic<int64_t> counters[4] = {0, 0, 0, 0};
@@ -271,10 +275,10 @@ std::vector<at::Tensor> team_step(const std::vector<TeamLayer>& layers, const at
 #pragma omp barrier
       layer.qkv(normed, qkv);
 #pragma omp barrier
-      rope_write_into(qkv.data_ptr(), step.cos.data_ptr(), step.signed_sin.data_ptr(), keys[index], values[index], rows,
-                      slots, B, H, q.data_ptr(), 1);
+      rope_write_into(qkv.data_ptr(), step.cos.data_ptr(), step.signed_sin.data_ptr(), keys[index], values[index],
+                      blocks, offsets, B, H, q.data_ptr(), 1);
 #pragma omp barrier
-      attention_into(q.data_ptr(), bf16, keys[index], values[index], rows, visible, B, H, step.scaling, grain,
+      attention_into(q.data_ptr(), bf16, keys[index], values[index], pages, rows, visible, B, H, step.scaling, grain,
                      attended.data_ptr());
 #pragma omp barrier
       layer.out(attended_rows, projected);
@@ -301,18 +305,40 @@ std::vector<at::Tensor> team_step(const std::vector<TeamLayer>& layers, const at
   return out;
 }
 
-// hidden [B, d] after the embedding; returns [hidden after the last layer, then the hidden
-// states after each of feature_layers, in that order].
+// Where each packed token's K/V go in the pool: block tables[rows[b], slots[b] / bs], offset slots[b] % bs
+// (checked: every such block is in the pool).
+std::pair<at::Tensor, at::Tensor> slot_blocks(const at::Tensor& tables, const at::Tensor& rows, const at::Tensor& slots,
+                                              const at::Tensor& pool) {
+  const int64_t B = rows.numel(), bs = pool.size(2), width = tables.size(1);
+  at::Tensor blocks = at::empty({B}, rows.options()), offsets = at::empty({B}, rows.options());
+  const int64_t *r = rows.data_ptr<int64_t>(), *s = slots.data_ptr<int64_t>(), *t = tables.data_ptr<int64_t>();
+  int64_t *bp = blocks.data_ptr<int64_t>(), *op = offsets.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(r[b] >= 0 && r[b] < tables.size(0) && s[b] >= 0 && s[b] < width * bs,
+                "decoder_layers: row or slot out of its block table for token ", b);
+    bp[b] = t[r[b] * width + s[b] / bs], op[b] = s[b] % bs;
+    TORCH_CHECK(bp[b] >= 0 && bp[b] < pool.size(0), "decoder_layers: token ", b, "'s block is not in the pool");
+  }
+  return {blocks, offsets};
+}
+
+// hidden [B, d] after the embedding; tables [R, M] each row's blocks in the pools keys/values (per layer
+// [N, Hkv, bs, hd]); rows, slots [B] each token's row and slot in it. Returns [hidden after the last
+// layer, then the hidden states after each of feature_layers, in that order].
 std::vector<at::Tensor> decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& signed_sin,
                                        const c10::List<std::optional<at::Tensor>>& weights,
                                        at::IntArrayRef out_features, at::TensorList keys, at::TensorList values,
-                                       const at::Tensor& rows, const at::Tensor& slots, int64_t heads, double eps,
-                                       double scaling, at::IntArrayRef feature_layers) {
+                                       const at::Tensor& tables, const at::Tensor& rows, const at::Tensor& slots,
+                                       int64_t heads, double eps, double scaling, at::IntArrayRef feature_layers) {
   check_inputs(hidden, weights, out_features, keys, values, feature_layers);
+  TORCH_CHECK(tables.dim() == 2 && KVPages::readable(tables.size(1), keys[0].size(2)),
+              "decoder_layers: block tables [R, M] over blocks of a power of two from 16 slots (or one block a row)");
   // Below autograd: the loop is inference only, and each inner call then skips that dispatch step.
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const at::Tensor slot_index = slots.to(at::kLong).contiguous();
-  const StepInputs step{cos.contiguous(), signed_sin.contiguous(), rows.to(at::kLong).contiguous(), slot_index,
+  const at::Tensor slot_index = slots.to(at::kLong).contiguous(), row_index = rows.to(at::kLong).contiguous();
+  const at::Tensor table = tables.to(at::kLong).contiguous();
+  const auto [blocks, offsets] = slot_blocks(table, row_index, slot_index, keys[0]);
+  const StepInputs step{cos.contiguous(), signed_sin.contiguous(), table, row_index, blocks, offsets,
                         slot_index + 1, heads, eps, scaling};
   const bool same_dtype = step.cos.scalar_type() == hidden.scalar_type() &&
                          step.signed_sin.scalar_type() == hidden.scalar_type();  // the team reads them raw
@@ -338,8 +364,8 @@ TORCH_LIBRARY_FRAGMENT(vlmspec, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def(
       "decoder_layers(Tensor hidden, Tensor cos, Tensor signed_sin, Tensor?[] weights, int[] out_features, "
-      "Tensor(a!)[] keys, Tensor(b!)[] values, Tensor rows, Tensor slots, int heads, float eps, float scaling, "
-      "int[] feature_layers) -> Tensor[]");
+      "Tensor(a!)[] keys, Tensor(b!)[] values, Tensor tables, Tensor rows, Tensor slots, int heads, float eps, "
+      "float scaling, int[] feature_layers) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(vlmspec, CPU, m) {

@@ -100,7 +100,7 @@ def create_app(engine: BatchEngine, config: ServerConfig | None = None) -> FastA
         engine,
         max_queued=config.max_queued,
         on_finish=lambda handle, result: _count_finished(metrics, handle, result),
-        on_step=lambda e: metrics.queue(e.num_running, e.num_waiting),
+        on_step=lambda e: metrics.queue(e.num_running, e.num_waiting, e.kv_cache),
     )
     # Images are decoded and prompts tokenised here, one request at a time: never on the engine's thread
     # (a long prompt would stall every stream), and never many at once (each holds its decoded images).

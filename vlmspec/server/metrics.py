@@ -52,6 +52,12 @@ class ServerMetrics:
         self.tau = Gauge("vlmspec_spec_tau", "Tokens committed per round over all finished requests", registry=r)
         self.running = Gauge("vlmspec_num_requests_running", "Requests in the engine's batch", registry=r)
         self.waiting = Gauge("vlmspec_num_requests_waiting", "Requests queued for the batch", registry=r)
+        self.kv_blocks_used = Gauge("vlmspec_kv_cache_blocks_used", "KV pool blocks held by requests", registry=r)
+        self.kv_blocks_limit = Gauge(
+            "vlmspec_kv_cache_blocks_limit", "KV pool blocks the memory budget allows (--kv-cache-memory)", registry=r
+        )
+        self.kv_bytes_used = Gauge("vlmspec_kv_cache_bytes_used", "Bytes of KV held by requests", registry=r)
+        self.kv_usage = Gauge("vlmspec_kv_cache_usage_ratio", "KV blocks in use over the budget's blocks", registry=r)
         self.ttft = Histogram(
             "vlmspec_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS, registry=r
         )
@@ -90,9 +96,15 @@ class ServerMetrics:
             if len(result.token_ids) > 1:
                 self.tpot.observe((e2e_s - ttft_s) / (len(result.token_ids) - 1))
 
-    def queue(self, running: int, waiting: int) -> None:
+    def queue(self, running: int, waiting: int, kv_cache: dict | None = None) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
+        if kv_cache is not None:  # BatchEngine.kv_cache
+            self.kv_blocks_used.set(kv_cache["blocks_used"])
+            self.kv_bytes_used.set(kv_cache["blocks_used"] * kv_cache["bytes_per_block"])
+            if kv_cache["blocks_limit"] is not None:
+                self.kv_blocks_limit.set(kv_cache["blocks_limit"])
+                self.kv_usage.set(kv_cache["blocks_used"] / kv_cache["blocks_limit"])
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -54,6 +54,7 @@ from vlmspec.drafters.base import Proposer
 from vlmspec.loading import load_proposer, load_target
 from vlmspec.scheduling.base import Scheduler
 from vlmspec.serving.admission import DEFAULT_MAX_PREFILL_TOKENS, admission_count
+from vlmspec.serving.memory import blocks_needed, kv_budget_bytes
 from vlmspec.serving.requests import (
     GeneratorStates,
     StepOutput,
@@ -109,6 +110,9 @@ class BatchEngine:
     batches the target alone (one token per request per step) through the same code.
     ``max_prefill_tokens`` bounds the prompt tokens one step prefills while requests run
     (None: no bound), so prefills interleave with decode steps instead of stalling them.
+    ``kv_cache_memory`` bounds the runner's KV pool: bytes, a fraction of RAM, or None (half
+    the RAM available at start); a request is admitted when the KV blocks it can ever need fit
+    (see :mod:`vlmspec.serving.memory`), and one that never can is refused by ``add_request``.
     """
 
     def __init__(
@@ -120,6 +124,7 @@ class BatchEngine:
         max_batch_size: int = 32,
         speculate_up_to: int | None = None,
         max_prefill_tokens: int | None = DEFAULT_MAX_PREFILL_TOKENS,
+        kv_cache_memory: int | float | None = None,
     ) -> None:
         check_positive("max_batch_size", max_batch_size)
         for name, value in (("speculate_up_to", speculate_up_to), ("max_prefill_tokens", max_prefill_tokens)):
@@ -132,7 +137,9 @@ class BatchEngine:
         # alone: on a compute-bound machine a big batch has no spare compute for drafts.
         self.speculate_up_to = speculate_up_to
         self.max_prefill_tokens = max_prefill_tokens  # prompt tokens a step prefills while others decode
-        self._batch = RaggedBatch(target, feature_layers=self.decoder.proposer.feature_layers)
+        self._batch = RaggedBatch(
+            target, feature_layers=self.decoder.proposer.feature_layers, kv_cache_bytes=kv_budget_bytes(kv_cache_memory)
+        )
         self._waiting: deque[_Entry] = deque()
         self._running: list[_Entry] = []  # _running[row] holds the request in ragged row `row`
         self._results: dict[str, GenerationResult] = {}
@@ -148,6 +155,7 @@ class BatchEngine:
         max_batch_size: int = 32,
         speculate_up_to: int | None = None,
         max_prefill_tokens: int | None = DEFAULT_MAX_PREFILL_TOKENS,
+        kv_cache_memory: int | float | None = None,
         dtype: str | torch.dtype = "float32",
         attn_implementation: str = "sdpa",
         device: str | torch.device = "cpu",
@@ -168,6 +176,7 @@ class BatchEngine:
             max_batch_size=max_batch_size,
             speculate_up_to=speculate_up_to,
             max_prefill_tokens=max_prefill_tokens,
+            kv_cache_memory=kv_cache_memory,
         )
 
     @property
@@ -211,6 +220,7 @@ class BatchEngine:
         request, inputs = new_request(
             self.target, self.decoder, images, prompt, messages=messages, options=options, inputs=inputs
         )
+        self._check_fits(inputs.length, request.max_new_tokens)
         self._waiting.append(_Entry(request_id, request, inputs, time.perf_counter(), inputs.length))
         return request_id
 
@@ -305,6 +315,7 @@ class BatchEngine:
             max_prefill_tokens=self.max_prefill_tokens,
             running=len(self._running),
         )
+        count = self._fitting(count)
         entries = [self._waiting.popleft() for _ in range(count)]
         prefilled = self._prefill(entries)
         for entry in entries:
@@ -315,6 +326,50 @@ class BatchEngine:
         outputs = [StepOutput(e.request_id, list(e.request.tokens), e.request.finish_reason, None) for e in entries]
         self._retire()  # a request can end with its first token
         return outputs
+
+    @property
+    def kv_cache(self) -> dict[str, int | None]:
+        """The KV pool now: blocks in use, blocks it holds, its bound (None: none), block size and bytes per block."""
+        pool = self._batch.pool
+        return {
+            "blocks_used": pool.num_used,
+            "blocks_allocated": pool.num_blocks,
+            "blocks_limit": pool.max_blocks,
+            "block_size": pool.block_size,
+            "bytes_per_block": pool.bytes_per_block(),
+        }
+
+    def _blocks_needed(self, entry: _Entry) -> int:
+        """KV blocks the request in ``entry`` can ever hold (see :func:`~vlmspec.serving.memory.blocks_needed`)."""
+        size = self._batch.pool.block_size
+        return blocks_needed(entry.prompt_tokens, entry.request.max_new_tokens, self.target.max_context, size)
+
+    def _fitting(self, count: int) -> int:
+        """How many of the first ``count`` waiting requests fit the KV budget beside the running ones (in order)."""
+        limit = self._batch.pool.max_blocks
+        if limit is None or count == 0:
+            return count
+        reserved = sum(self._blocks_needed(entry) for entry in self._running)
+        for admitted, entry in enumerate(itertools.islice(self._waiting, count)):
+            reserved += self._blocks_needed(entry)
+            if reserved > limit:
+                return admitted
+        return count
+
+    def _check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Refuse a request whose KV could never fit the budget, even alone (ValueError naming the limit)."""
+        pool = self._batch.pool
+        if pool.max_blocks is None:
+            return
+        needed = blocks_needed(prompt_tokens, max_new_tokens, self.target.max_context, pool.block_size)
+        if needed > pool.max_blocks:
+            mib = 2**20
+            raise ValueError(
+                f"the request needs up to {needed * pool.bytes_per_block() / mib:.1f} MiB of KV cache "
+                f"({prompt_tokens} prompt tokens + max_new_tokens={max_new_tokens}) but the KV cache memory limit is "
+                f"{pool.max_blocks * pool.bytes_per_block() / mib:.1f} MiB: shorten the prompt, lower max_new_tokens "
+                "or raise the limit (--kv-cache-memory / kv_cache_memory)"
+            )
 
     def admit_next(self) -> StepOutput | None:
         """Prefill the next waiting request if there is room in the batch; its first token (None: nothing admitted)."""

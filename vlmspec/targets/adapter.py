@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vlmspec.targets.families import SUPPORTED_MODEL_TYPES, family_spec, language_model
+from vlmspec.targets.families import SUPPORTED_MODEL_TYPES, VisionCache, family_spec, language_model
 from vlmspec.targets.inputs import (
     ImageLike,
     TargetInputs,
@@ -98,6 +98,7 @@ class QwenVLTarget:
         if self.decode == "fast":
             check_fast_path(model)  # refused now, naming decode="reference", not at the first step
         self._packed = None  # the PackedDecoder, built on the first fast forward
+        self.vision_cache = VisionCache()  # the vision tower's outputs of recent prompts' images, by their pixels
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -133,6 +134,7 @@ class QwenVLTarget:
     def to_device(self, device: str | torch.device) -> QwenVLTarget:
         self.model.to(device)
         self._packed = None  # packed weights are per device
+        self.vision_cache.clear()  # and so are the vision tower's stored outputs
         return self
 
     def packed_decoder(self):
@@ -390,7 +392,7 @@ class QwenVLTarget:
         The M-RoPE positions and rope_delta are this request's own; ``position_rule`` sets the
         drafter's 1-D positions of the image tokens (:mod:`vlmspec.targets.positions`).
         """
-        return row_prompt(self.model, self.spec, inputs, position_rule)
+        return row_prompt(self.model, self.spec, inputs, position_rule, self.vision_cache)
 
     # ---------------------------------------------------------------- internals
     @torch.inference_mode()

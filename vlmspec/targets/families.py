@@ -11,6 +11,8 @@ the processor class. The rest of vlmspec reads the spec instead of checking
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -115,3 +117,55 @@ def image_embeddings(
     if spec.deepstack:
         deepstack = tuple(torch.cat(features, dim=0) for features in output.deepstack_features)
     return embeds, deepstack
+
+
+class VisionCache:
+    """The vision tower's outputs for the last few prompts' images, keyed by the images' content.
+
+    A multi-turn chat about one picture sends the same pixels at every turn; the tower's
+    embeddings depend only on them (and the tower's weights), so a later turn takes the
+    stored ones instead of running the encoder again. The key is a hash of the pixel values'
+    bytes, their grid, dtype and device (a prompt's images as one set: the tower runs them
+    together, so a set's embeddings are exactly what it computes for that set). Least
+    recently used sets leave past ``max_entries``. A target whose vision weights change in
+    place must :meth:`clear` it.
+    """
+
+    def __init__(self, max_entries: int = 8) -> None:
+        if max_entries < 0:
+            raise ValueError(f"max_entries must be >= 0 (0: no caching), got {max_entries}")
+        self.max_entries = max_entries
+        self.hits = self.misses = 0
+        self._entries: OrderedDict[bytes, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = OrderedDict()
+
+    def embeddings(
+        self, model: nn.Module, spec: FamilySpec, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:  # as image_embeddings: [n, d], deepstack [n, d] each
+        """:func:`image_embeddings`, from the cache when these images were seen (callers must not modify them)."""
+        key = image_key(pixel_values, image_grid_thw)
+        if key in self._entries:
+            self.hits += 1
+            self._entries.move_to_end(key)
+            return self._entries[key]
+        self.misses += 1
+        value = image_embeddings(model, spec, pixel_values, image_grid_thw)
+        if self.max_entries:
+            self._entries[key] = value
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        return value
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def image_key(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> bytes:
+    """A digest of a prompt's images: their pixel values' bytes, grid, dtype and device."""
+    digest = hashlib.blake2b(digest_size=20)
+    for tensor in (pixel_values, image_grid_thw):
+        digest.update(f"{tuple(tensor.shape)} {tensor.dtype} {tensor.device};".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.digest()

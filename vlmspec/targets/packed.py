@@ -23,8 +23,10 @@ bandwidth; elsewhere through oneDNN's reordered weights or ATen
   by the component the family's layout gives it (:func:`vlmspec.targets.families.rope_components`);
 * image tokens take the vision tower's embeddings instead of their placeholders', and
   Qwen3-VL's deepstack embeddings are added after its first layers (Python loop);
-* keys and values go straight into the runner's preallocated KV buffers, and attention
-  reads only each row's valid slots (:func:`vlmspec.targets.ragged.attend_rows`);
+* keys and values go straight into the runner's block-paged KV pool, and attention reads
+  only each row's valid slots through its block table
+  (:func:`~vlmspec.kernels.cpu_kernels.paged_attention`, or
+  :func:`vlmspec.targets.ragged.attend_rows` where the kernel does not apply);
 * where every step of a layer is one of vlmspec's kernels (no q/k norms, the kernel's
   RMSNorm, RoPE and attention, every linear on the kernel backend, SiLU: Qwen2-VL and
   Qwen2.5-VL on an x86 CPU with the kernel built), all the layers run in one native call
@@ -58,17 +60,24 @@ from vlmspec.targets.prompts import VisionEmbeds
 
 
 class KVSlots(Protocol):
-    """Where a packed forward's new keys and values go: the runner's KV buffers and each token's slot."""
+    """Where a packed forward's new keys and values go: the runner's KV pool, block tables and each token's slot.
 
-    rows: torch.Tensor  # [B] int64 buffer row of each packed token
-    slots: torch.Tensor  # [B] int64 its slot in that row
+    Row r's slot j lives in pool block ``tables[r, j // bs]`` at offset ``j % bs``
+    (:mod:`vlmspec.targets.pool`); ``blocks`` and ``offsets`` are that, for each packed token.
+    """
+
+    tables: torch.Tensor  # [R, M] int64 each row's blocks
+    rows: torch.Tensor  # [B] int64 row of each packed token
+    slots: torch.Tensor  # [B] int64 its slot in that row (it attends slots 0 .. slots[b])
+    blocks: torch.Tensor  # [B] int64 the pool block of that slot
+    offsets: torch.Tensor  # [B] int64 the slot's offset in the block
 
     def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's whole key and value buffers, [R_cap, Hkv, S_cap, hd] each."""
+        """This layer's key and value pools, [N, Hkv, bs, hd] each."""
         ...
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [B, Hkv, hd] at (rows, slots); returns :meth:`buffers`."""
+        """Write k, v [B, Hkv, hd] at (blocks, offsets); returns :meth:`buffers`."""
         ...
 
 
@@ -205,7 +214,7 @@ class PackedDecoder:
 
         A prefill wants only each prompt's last prediction: ``logits_at`` keeps the LM head
         (the largest linear) off the other tokens. The native loop does not call ``attend``:
-        it runs :func:`~vlmspec.kernels.cpu_kernels.decode_attention` with each token seeing
+        it runs :func:`~vlmspec.kernels.cpu_kernels.paged_attention` with each token seeing
         its row's slots up to its own, which is the runner's ``attend`` wherever it applies.
         """
         hidden = self.embed(ids)  # [B, d]
@@ -239,7 +248,7 @@ class PackedDecoder:
             qkv = layer.qkv(x)
             if layer.q_norm is None and self.fused_rope:  # rotate q and k, write k and v: one kernel call
                 keys, values = kv.buffers(index)
-                q = rope_write(qkv, cos[:, 0], sin[:, 0], keys, values, kv.rows, kv.slots, self.heads)
+                q = rope_write(qkv, cos[:, 0], sin[:, 0], keys, values, kv.blocks, kv.offsets, self.heads)
                 attended = attend(q, keys, values, self.scaling)  # [B, H, hd]
             else:
                 attended = self._attention_eager(index, layer, qkv, cos, sin, kv, attend)
@@ -322,7 +331,7 @@ class _NativeLayers:
         buffers = [kv.buffers(index) for index in range(self.num_layers)]
         keys, values = [k for k, _ in buffers], [v for _, v in buffers]
         out = decoder_layers(
-            hidden, cos, signed_sin, self.weights, self.out_features, keys, values, kv.rows, kv.slots,
+            hidden, cos, signed_sin, self.weights, self.out_features, keys, values, kv.tables, kv.rows, kv.slots,
             self.heads, self.eps, self.scaling, list(feature_layers),
         )  # fmt: skip
         return out[0], out[1:]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from vlmspec.targets.families import FamilySpec, image_embeddings
+from vlmspec.targets.families import FamilySpec, VisionCache, image_embeddings
 from vlmspec.targets.inputs import TargetInputs
 from vlmspec.targets.positions import check_position_rule, text_stream_positions
 
@@ -132,8 +132,16 @@ def drafter_positions(model: nn.Module, inputs: TargetInputs, mrope: torch.Tenso
 
 
 @torch.no_grad()
-def row_prompt(model: nn.Module, spec: FamilySpec, inputs: TargetInputs, position_rule: str) -> RowPrompt:
+def row_prompt(
+    model: nn.Module,
+    spec: FamilySpec,
+    inputs: TargetInputs,
+    position_rule: str,
+    vision_cache: VisionCache | None = None,
+) -> RowPrompt:
     """A processed prompt ready for :meth:`RaggedBatch.prefill`: its images through the vision tower.
+
+    With ``vision_cache``, images seen before take the tower's stored outputs (:class:`VisionCache`).
 
     Raises ValueError when the prompt's placeholder tokens and its images' embeddings
     disagree (the inputs were not built by the target's processor for these images).
@@ -151,7 +159,11 @@ def row_prompt(model: nn.Module, spec: FamilySpec, inputs: TargetInputs, positio
             "embeddings: build the inputs with target.build_inputs (or sequence_inputs) for these images"
         )
     mrope, rope_delta = prompt_positions(model, inputs)
-    embeds, deepstack = image_embeddings(model, spec, kwargs["pixel_values"], kwargs["image_grid_thw"])
+    pixels, grid = kwargs["pixel_values"], kwargs["image_grid_thw"]
+    if vision_cache is None:
+        embeds, deepstack = image_embeddings(model, spec, pixels, grid)
+    else:
+        embeds, deepstack = vision_cache.embeddings(model, spec, pixels, grid)
     assert embeds.shape[0] == expected, (embeds.shape, expected)
     return RowPrompt(
         ids=ids.cpu(),

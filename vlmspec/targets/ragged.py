@@ -4,18 +4,21 @@ Speculative decoding over R concurrent requests feeds request r its anchor plus 
 number of scheduled drafts, ``n_r = 1 + l_r`` tokens, and keeps its own number of them
 afterwards. A :class:`RaggedBatch` holds such rows:
 
-* **One preallocated KV buffer** per decoder layer, ``[R_cap, Hkv, S_cap, hd]``, where
-  row r holds its committed tokens in slots ``0 .. length[r] - 1``. Rollback is free, as
-  in vLLM: the next forward writes at ``length[r]`` and overwrites rejected slots.
-  Buffers start zeroed and only ever hold finite values, so masked slots cannot leak a
-  NaN into a product.
+* **A block-paged KV pool** (:class:`~vlmspec.targets.pool.KVPool`): per decoder layer
+  ``[N, Hkv, bs, hd]`` blocks of ``bs`` slots. Row r owns a block table; its committed
+  tokens are its slots ``0 .. length[r] - 1``, slot j in block ``table[r][j // bs]`` at
+  offset ``j % bs``. A forward first gives each row the blocks its new tokens need; a
+  removed row's blocks return to the pool at once. Rollback is free, as in vLLM: the next
+  forward writes at ``length[r]`` and overwrites rejected slots (the row keeps its blocks).
 * **A packed forward.** The ``B = sum_r n_r`` new tokens run as one sequence ``[1, B]``:
   every linear layer (projections, MLP, LM head) costs B tokens, not ``R x max n_r``,
   so the forward's cost follows the total the hardware-aware schedulers budget for.
   Only attention is padded: a small attention function (registered with transformers as
   ``vlmspec_ragged`` and switched on for this forward only) scatters each row's queries
-  into ``[R, H, W, hd]`` (``W = max n_r``) and attends over that row's buffer with the
-  mask ``slot <= length[r] + i``: its committed tokens, then its new ones causally.
+  into ``[R, H, W, hd]`` (``W = max n_r``) and attends over that row's slots (gathered
+  through its block table) with the mask ``slot <= length[r] + i``: its committed tokens,
+  then its new ones causally. The fast forward reads the pool through the tables directly
+  (:func:`~vlmspec.kernels.cpu_kernels.paged_attention`).
 * **Per-row positions.** New token i of row r sits at M-RoPE position
   ``length[r] + i + rope_delta[r]`` in all three components (the rule one-request
   decoding uses), which is also its 1-D text-stream position for a drafter.
@@ -28,9 +31,9 @@ in one packed forward that writes their KV straight into new rows. A prompt with
 comes as a :class:`~vlmspec.targets.prompts.RowPrompt` (:meth:`QwenVLTarget.row_prompt`:
 the vision tower's embeddings, its M-RoPE positions [3, L] and rope_delta). A request
 prefilled alone (:meth:`QwenVLTarget.prefill`) can also join: :meth:`RaggedBatch.add`
-copies its KV into a free row. A finished request leaves with :meth:`RaggedBatch.remove`,
-which moves the last row into the hole (one row copied, not the whole buffer). Rows
-therefore change index: ``remove`` says which.
+copies its KV into new blocks. A finished request leaves with :meth:`RaggedBatch.remove`,
+which frees its blocks and moves the last row's block table into the hole (rows stay
+dense, no KV is copied). Rows therefore change index: ``remove`` says which.
 
 Every row's logits and features equal what its request gets alone (float rounding
 apart: the attention sums over a few extra masked slots); tests/targets/test_ragged.py
@@ -47,9 +50,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vlmspec.kernels.cpu_kernels import attention_applies, decode_attention
+from vlmspec.kernels.cpu_kernels import attention_applies, paged_attention
 from vlmspec.targets.adapter import QwenVLTarget, RequestState, TargetStep
 from vlmspec.targets.families import language_model
+from vlmspec.targets.pool import DEFAULT_BLOCK_SIZE, KVPool, block_bytes
 from vlmspec.targets.prompts import RowPrompt, VisionEmbeds, as_row_prompt, pack_vision, text_model_inputs
 
 RAGGED_ATTENTION = "vlmspec_ragged"
@@ -70,7 +74,10 @@ class _Layout:
 
     rows: torch.Tensor  # [B] int64 row of each packed token
     offsets: torch.Tensor  # [B] int64 its index i among its row's inputs
-    slots: torch.Tensor  # [B] int64 its cache slot, length[row] + i
+    slots: torch.Tensor  # [B] int64 its slot in its row, length[row] + i
+    tables: torch.Tensor  # [R, M] int64 each row's blocks (entries past a row's blocks: 0, never read)
+    blocks: torch.Tensor  # [B] int64 the pool block of its slot, tables[row, slot // bs]
+    block_offsets: torch.Tensor  # [B] int64 the slot's offset in that block, slot % bs
     padded: torch.Tensor  # [B] int64 its index in the flattened [R, W] padding
     num_rows: int  # R
     width: int  # W = max n_r
@@ -87,7 +94,7 @@ class _Layout:
 
 
 class RaggedBatch:
-    """The rows of a ragged batch: a shared KV buffer plus each row's length and rope_delta.
+    """The rows of a ragged batch: the KV pool, each row's block table, length and rope_delta.
 
     >>> batch = RaggedBatch(target, feature_layers=(1, 2))
     >>> steps = batch.prefill([target.row_prompt(inputs)])  # new rows (images or not): first predictions
@@ -95,15 +102,42 @@ class RaggedBatch:
     >>> batch.advance(keep)                              # [R]: keep the first keep[r] inputs
     """
 
-    def __init__(self, target: QwenVLTarget, *, feature_layers: Sequence[int] = (), initial_capacity: int = 256):
+    def __init__(
+        self,
+        target: QwenVLTarget,
+        *,
+        feature_layers: Sequence[int] = (),
+        initial_capacity: int = 256,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        kv_cache_bytes: int | None = None,
+    ):
+        """``initial_capacity``: token slots the pool starts with (it grows on demand); ``block_size``: slots a
+        block; ``kv_cache_bytes``: the most bytes of KV the pool may hold (None: unbounded; see :class:`KVPool`)."""
         _check_attention(target)
         self.target = target
         self.feature_layers = target.check_feature_layers(feature_layers)
         self.lengths = torch.zeros(0, dtype=torch.long)  # [R] committed tokens per row
         self.rope_deltas = torch.zeros(0, dtype=torch.long)  # [R]
-        self._keys: list[torch.Tensor] = []  # per layer [R_cap, Hkv, S_cap, hd]
-        self._values: list[torch.Tensor] = []
-        self._initial_capacity = initial_capacity
+        config = target.model.config.get_text_config()
+        shape = {
+            "num_layers": config.num_hidden_layers,
+            "kv_heads": config.num_key_value_heads,
+            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            "dtype": target.dtype,
+            "block_size": block_size,
+        }
+        max_blocks = None
+        if kv_cache_bytes is not None:
+            max_blocks = kv_cache_bytes // block_bytes(**shape)
+            if max_blocks < 1:
+                raise ValueError(
+                    f"a KV memory budget of {kv_cache_bytes:,} bytes holds no block of {block_size} tokens "
+                    f"({block_bytes(**shape):,} bytes for this target): raise it"
+                )
+        initial_blocks = -(-initial_capacity // block_size)
+        self.pool = KVPool(**shape, device=target.device, initial_blocks=initial_blocks, max_blocks=max_blocks)
+        self._blocks: list[list[int]] = []  # [R] each row's block ids, in order
+        self._tables = torch.zeros(4, 4, dtype=torch.long)  # [R_cap, M_cap]: _blocks as a tensor, row r in row r
         self._pending: torch.Tensor | None = None  # [R] tokens of the last verify not yet confirmed
         # The fast forward's packed weights. Re-checked against the model (a weight changed in place is
         # repacked) whenever a request joins: the check reads every parameter, 0.7 ms on the reference target.
@@ -128,33 +162,46 @@ class RaggedBatch:
                 "prefill with feature_layers=batch.feature_layers"
             )
         layers = state.cache.layers
-        if not self._keys:
-            self._allocate_empty(max(self._initial_capacity, state.length))
         row = self.num_rows
-        self._reserve(rows=row + 1, slots=state.length)
-        for buffer_k, buffer_v, layer in zip(self._keys, self._values, layers, strict=True):
-            buffer_k[row, :, : state.length] = layer.keys[0, :, : state.length]
-            buffer_v[row, :, : state.length] = layer.values[0, :, : state.length]
-        self.lengths = torch.cat((self.lengths, torch.tensor([state.length])))
-        self.rope_deltas = torch.cat((self.rope_deltas, torch.tensor([state.rope_delta])))
+        self._open_rows(1)
+        try:
+            self._reserve_slots(torch.tensor([state.length]), first=row)
+        except Exception:
+            self._close_rows(row)
+            raise
+        blocks = torch.tensor(self._blocks[row], device=self.target.device)  # [m]
+        size, n = self.pool.block_size, state.length
+        for pool_k, pool_v, layer in zip(self.pool.keys, self.pool.values, layers, strict=True):
+            for pool, cached in ((pool_k, layer.keys), (pool_v, layer.values)):
+                padded = F.pad(cached[0, :, :n], (0, 0, 0, blocks.numel() * size - n))  # [Hkv, m * bs, hd]
+                pool[blocks] = padded.unflatten(1, (blocks.numel(), size)).transpose(0, 1).to(pool.dtype)
+        self.lengths[row], self.rope_deltas[row] = state.length, state.rope_delta
         self._pending = None
         self._decoder = None
         return row
 
     def remove(self, row: int) -> int | None:
-        """Drop ``row``; the last row moves into its place. Returns the moved row's old index (None if none moved)."""
+        """Drop ``row`` and free its blocks; the last row moves into its place (its block table, not its KV).
+
+        Returns the moved row's old index (None if none moved).
+        """
         last = self.num_rows - 1
         if not 0 <= row <= last:
             raise IndexError(f"row {row} is not in this batch of {self.num_rows}")
+        self.pool.free(self._blocks[row])
         if row != last:
-            n = int(self.lengths[last])
-            for buffer in (*self._keys, *self._values):
-                buffer[row, :, :n] = buffer[last, :, :n]
+            self._blocks[row] = self._blocks[last]
+            self._tables[row] = self._tables[last]
             self.lengths[row] = self.lengths[last]
             self.rope_deltas[row] = self.rope_deltas[last]
+        del self._blocks[last]
         self.lengths, self.rope_deltas = self.lengths[:last], self.rope_deltas[:last]
         self._pending = None
         return last if row != last else None
+
+    def blocks_of(self, row: int) -> list[int]:
+        """The pool blocks row ``row`` holds, in order (its block table)."""
+        return list(self._blocks[row])
 
     # ------------------------------------------------------------- forwards
     @torch.no_grad()
@@ -203,13 +250,11 @@ class RaggedBatch:
         lengths = torch.tensor([p.length for p in prompts])  # [P]
         if bool((lengths < 1).any()):
             raise ValueError("prefill() takes prompts of at least one token")
-        if not self._keys:
-            self._allocate_empty(max(self._initial_capacity, int(lengths.max())))
         first = self.num_rows
         width = int(lengths.max())
         deltas = torch.tensor([p.rope_delta for p in prompts], dtype=torch.long)  # [P]
-        self.lengths = torch.cat((self.lengths, torch.zeros(len(prompts), dtype=torch.long)))
-        self.rope_deltas = torch.cat((self.rope_deltas, deltas))
+        self._open_rows(len(prompts))
+        self.rope_deltas[first:] = deltas
         self._decoder = None  # a request joins: the packed weights are re-checked once, as in add()
         tokens = torch.zeros(self.num_rows, width, dtype=torch.long)  # [R, W]: only the new rows have inputs
         num_tokens = torch.zeros(self.num_rows, dtype=torch.long)  # [R]
@@ -228,7 +273,7 @@ class RaggedBatch:
             positions = self.lengths[:, None] + torch.arange(width)  # [R, W]: text prompts start at 0
             logits, features = self._forward(tokens, positions, num_tokens, layout, ends - 1, mrope, vision)
         except Exception:
-            self.lengths, self.rope_deltas = self.lengths[:first], self.rope_deltas[:first]
+            self._close_rows(first)
             raise
         self.lengths = self.lengths + num_tokens
         self._pending = None
@@ -259,7 +304,6 @@ class RaggedBatch:
 
         Images: packed M-RoPE ``mrope`` [3, B] replaces ``positions``; ``vision`` is indexed in packed order.
         """
-        self._reserve(rows=self.num_rows, slots=int((self.lengths + num_tokens).max()))
         device = self.target.device
         packed_ids = tokens.cpu()[layout.rows, layout.offsets].to(device)  # [B]
         packed_positions = positions[layout.rows, layout.offsets].to(device)  # [B], all three M-RoPE components
@@ -271,15 +315,15 @@ class RaggedBatch:
 
     def _fast_forward(self, ids: torch.Tensor, positions: torch.Tensor, layout: _Layout, logits_at=None, vision=None):
         """vlmspec's packed decoder (fused linears): logits [B, V] float32, features [B, m * d] or None."""
-        cache = _RaggedCache(self._keys, self._values, layout)
+        cache = _RaggedCache(self.pool, layout)
         if self._decoder is None:  # checked against the model's weights once per request joining, not per step
             self._decoder = self.target.packed_decoder()
         decoder = self._decoder
-        if attention_applies(self._keys[0], decoder.head_dim):
-            rows, visible = cache.rows, cache.slots + 1  # [B], [B] on the buffers' device
+        if attention_applies(self.pool.keys[0], decoder.head_dim):
+            tables, rows, visible = cache.tables, cache.rows, cache.slots + 1  # [R, M], [B], [B] on the pool's device
 
             def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
-                return decode_attention(q, keys, values, rows, visible, scaling)  # [B, H, hd]
+                return paged_attention(q, keys, values, tables, rows, visible, scaling)  # [B, H, hd]
         else:
 
             def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -293,7 +337,7 @@ class RaggedBatch:
         ids [B]; positions [B] or [3, B]. With images: transformers' text model on the embeddings, images' in place.
         """
         mrope = positions.view(1, 1, -1).expand(3, 1, -1) if positions.dim() == 1 else positions[:, None]  # [3, 1, B]
-        model, cache = self.target.model, _RaggedCache(self._keys, self._values, layout)
+        model, cache = self.target.model, _RaggedCache(self.pool, layout)
         arguments = {"position_ids": mrope, self.target._cache_kwarg: cache, "use_cache": True}
         with self.target._capture(self.feature_layers) as captured, _ragged_attention(self.target, layout):
             if vision is None:
@@ -327,13 +371,21 @@ class RaggedBatch:
         return num_tokens
 
     def _layout(self, num_tokens: torch.Tensor, width: int) -> _Layout:  # num_tokens: [R] int64 (CPU)
+        """Where the packed tokens go; first gives every row the blocks its new tokens need."""
+        self._reserve_slots(self.lengths + num_tokens)
         rows = torch.repeat_interleave(torch.arange(self.num_rows), num_tokens)  # [B]
         starts = torch.cumsum(num_tokens, 0) - num_tokens  # [R] packed index of each row's first token
         offsets = torch.arange(rows.shape[0]) - starts[rows]  # [B] i within the row
+        slots = self.lengths[rows] + offsets  # [B]
+        tables = self._tables[: self.num_rows]  # [R, M_cap] contiguous: the kernel reads it in place
+        size = self.pool.block_size
         return _Layout(
             rows=rows,
             offsets=offsets,
-            slots=self.lengths[rows] + offsets,
+            slots=slots,
+            tables=tables,
+            blocks=tables[rows, slots // size],
+            block_offsets=slots % size,
             padded=rows * width + offsets,
             num_rows=self.num_rows,
             width=width,
@@ -342,27 +394,45 @@ class RaggedBatch:
             device=self.target.device,
         )
 
-    def _allocate_empty(self, capacity: int) -> None:
-        """Zeroed buffers of one row, ``capacity`` slots, shaped from the model's config."""
-        config = self.target.model.config.get_text_config()
-        heads = config.num_key_value_heads
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        for buffers in (self._keys, self._values):
-            for _ in range(config.num_hidden_layers):
-                buffers.append(torch.zeros(1, heads, capacity, dim, dtype=self.target.dtype, device=self.target.device))
+    def _open_rows(self, count: int) -> None:
+        """Append ``count`` empty rows (length 0, rope_delta 0, no blocks)."""
+        self.lengths = torch.cat((self.lengths, torch.zeros(count, dtype=torch.long)))
+        self.rope_deltas = torch.cat((self.rope_deltas, torch.zeros(count, dtype=torch.long)))
+        self._blocks.extend([] for _ in range(count))
+        if self.num_rows > self._tables.shape[0]:
+            self._tables = _grown(self._tables, rows=max(self.num_rows, 2 * self._tables.shape[0]))
 
-    def _reserve(self, rows: int, slots: int) -> None:
-        """Grow the buffers (doubling) so they hold ``rows`` rows of ``slots`` slots."""
-        have_rows, have_slots = self._keys[0].shape[0], self._keys[0].shape[2]
-        if rows <= have_rows and slots <= have_slots:
+    def _close_rows(self, first: int) -> None:
+        """Drop the rows from ``first`` on (the last ones), freeing their blocks."""
+        for blocks in self._blocks[first:]:
+            self.pool.free(blocks)
+        del self._blocks[first:]
+        self.lengths, self.rope_deltas = self.lengths[:first], self.rope_deltas[:first]
+
+    def _reserve_slots(self, slots: torch.Tensor, first: int = 0) -> None:  # slots: [R - first] int64
+        """Give rows ``first ..`` the blocks that hold ``slots[r]`` slots each (rows keep the blocks they have)."""
+        size = self.pool.block_size
+        needed = [-(-int(n) // size) - len(self._blocks[first + i]) for i, n in enumerate(slots.tolist())]
+        total = sum(max(0, n) for n in needed)
+        if total == 0:
             return
-        new_rows = max(rows, 2 * have_rows) if rows > have_rows else have_rows
-        new_slots = max(slots, 2 * have_slots) if slots > have_slots else have_slots
-        for buffers in (self._keys, self._values):
-            for i, old in enumerate(buffers):
-                new = old.new_zeros(new_rows, old.shape[1], new_slots, old.shape[3])  # zeros: see the module docstring
-                new[: old.shape[0], :, : old.shape[2]] = old
-                buffers[i] = new
+        fresh = self.pool.allocate(total)  # all or none: a full pool leaves every row as it was
+        widest = max(len(self._blocks[first + i]) + max(0, n) for i, n in enumerate(needed))
+        if widest > self._tables.shape[1]:
+            self._tables = _grown(self._tables, width=max(widest, 2 * self._tables.shape[1]))
+        for i, n in enumerate(needed):
+            if n > 0:
+                row, have = first + i, len(self._blocks[first + i])
+                taken, fresh = fresh[:n], fresh[n:]
+                self._blocks[row].extend(taken)
+                self._tables[row, have : have + n] = torch.tensor(taken)
+
+
+def _grown(tables: torch.Tensor, rows: int | None = None, width: int | None = None) -> torch.Tensor:
+    """``tables`` [R_cap, M_cap] copied into a larger zeroed [rows, width]."""
+    new = tables.new_zeros(rows or tables.shape[0], width or tables.shape[1])
+    new[: tables.shape[0], : tables.shape[1]] = tables
+    return new
 
 
 def _check_attention(target: QwenVLTarget) -> None:
@@ -379,32 +449,29 @@ def _padding_gather(layout: _Layout, device: torch.device) -> torch.Tensor:  # -
 
 
 class _RaggedCache:
-    """Stands in for a transformers Cache during one packed forward: writes each new token into its row's slot."""
+    """Stands in for a transformers Cache during one packed forward: writes each new token into its block's slot.
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], layout: _Layout) -> None:
-        self._keys, self._values, self._layout = keys, values, layout
-        device = keys[0].device
+    It is also the packed decoder's :class:`~vlmspec.targets.packed.KVSlots`: the pool, the
+    block tables, and each packed token's row, slot, block and offset in the block.
+    """
+
+    def __init__(self, pool: KVPool, layout: _Layout) -> None:
+        self._pool, self._layout = pool, layout
+        device = pool.keys[0].device
         self.rows, self.slots = layout.rows.to(device), layout.slots.to(device)  # [B], [B]
-        # One row's new tokens take consecutive slots: a slice copy, not a scatter.
-        self._span = None
-        if layout.num_rows == 1 and layout.slots.numel():
-            start = int(layout.slots[0])
-            self._span = slice(start, start + layout.slots.numel())
+        self.tables = layout.tables.to(device)  # [R, M]
+        self.blocks, self.offsets = layout.blocks.to(device), layout.block_offsets.to(device)  # [B], [B]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """key/value_states: [1, Hkv, B, hd] of the packed tokens; returns this layer's whole buffers."""
-        keys, values = self._keys[layer_idx], self._values[layer_idx]
-        if self._span is not None:
-            keys[0, :, self._span] = key_states[0]
-            values[0, :, self._span] = value_states[0]
-            return keys, values
-        keys[self.rows, :, self.slots] = key_states[0].transpose(0, 1).to(keys.dtype)  # [B, Hkv, hd]
-        values[self.rows, :, self.slots] = value_states[0].transpose(0, 1).to(values.dtype)
+        """key/value_states: [1, Hkv, B, hd] of the packed tokens; returns this layer's whole pools."""
+        keys, values = self.buffers(layer_idx)
+        keys[self.blocks, :, self.offsets] = key_states[0].transpose(0, 1).to(keys.dtype)  # [B, Hkv, hd]
+        values[self.blocks, :, self.offsets] = value_states[0].transpose(0, 1).to(values.dtype)
         return keys, values
 
-    def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:  # [R_cap, Hkv, S_cap, hd] each
-        """This layer's whole key and value buffers (the packed decoder's :class:`KVSlots`)."""
-        return self._keys[layer], self._values[layer]
+    def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:  # [N, Hkv, bs, hd] each
+        """This layer's key and value pools (the packed decoder's :class:`KVSlots`)."""
+        return self._pool.keys[layer], self._pool.values[layer]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, Hkv, hd] of the packed tokens into their slots; returns :meth:`buffers`."""
@@ -422,34 +489,35 @@ _current_layout: list[_Layout] = []
 def ragged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, H, B, hd] packed, rotated queries
-    key: torch.Tensor,  # [R_cap, Hkv, S_cap, hd] this layer's whole key buffer
-    value: torch.Tensor,  # [R_cap, Hkv, S_cap, hd]
+    key: torch.Tensor,  # [N, Hkv, bs, hd] this layer's key pool
+    value: torch.Tensor,  # [N, Hkv, bs, hd]
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:  # [1, B, H, hd]
-    """Attention of packed ragged rows: each row's queries over its own buffer row, padded to [R, H, W, hd]."""
+    """Attention of packed ragged rows: each row's queries over its own slots, padded to [R, H, W, hd]."""
     attended = attend_rows(query[0].transpose(0, 1), key, value, _current_layout[-1], scaling)  # [B, H, hd]
     return attended[None], None
 
 
 def attend_rows(
     query: torch.Tensor,  # [B, H, hd] packed, rotated queries
-    key: torch.Tensor,  # [R_cap, Hkv, S_cap, hd] one layer's whole key buffer (new keys written)
-    value: torch.Tensor,  # [R_cap, Hkv, S_cap, hd]
+    key: torch.Tensor,  # [N, Hkv, bs, hd] one layer's key pool (new keys written)
+    value: torch.Tensor,  # [N, Hkv, bs, hd]
     layout: _Layout,
     scaling: float | None,
 ) -> torch.Tensor:  # [B, H, hd]
-    """Each row's queries over its own buffer row's valid slots, padded to [R, H, W, hd] for one SDPA call."""
+    """Each row's queries over its own valid slots (gathered through its block table), padded for one SDPA call."""
     heads, dim = query.shape[1], query.shape[2]
-    rows, width, slots = layout.num_rows, layout.width, layout.keys
+    rows, width = layout.num_rows, layout.width
+    key, value = _row_slots(key, layout), _row_slots(value, layout)  # [R, Hkv, S, hd]
     if rows == 1:
         # One row: its packed tokens are already its padded ones, and a lone query sees every slot.
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1)[None],  # [1, H, B, hd]
-            key[:1, :, :slots],
-            value[:1, :, :slots],
+            key,
+            value,
             attn_mask=None if width == 1 else layout.mask,
             scale=scaling,
             enable_gqa=heads != key.shape[1],
@@ -460,14 +528,17 @@ def attend_rows(
     padded[padded_index] = query
     padded = padded.view(rows, width, heads, dim).transpose(1, 2)  # [R, H, W, hd]
     out = F.scaled_dot_product_attention(
-        padded,
-        key[:rows, :, :slots],
-        value[:rows, :, :slots],
-        attn_mask=layout.mask,
-        scale=scaling,
-        enable_gqa=heads != key.shape[1],
+        padded, key, value, attn_mask=layout.mask, scale=scaling, enable_gqa=heads != key.shape[1]
     )  # [R, H, W, hd]
     return out.transpose(1, 2).reshape(rows * width, heads, dim)[padded_index]
+
+
+def _row_slots(pool: torch.Tensor, layout: _Layout) -> torch.Tensor:  # [N, Hkv, bs, hd] -> [R, Hkv, S, hd]
+    """Each row's first S = layout.keys slots, read through its block table into one padded tensor."""
+    size = pool.shape[2]
+    blocks = layout.tables[: layout.num_rows, : -(-layout.keys // size)].to(pool.device)  # [R, m]
+    gathered = pool[blocks]  # [R, m, Hkv, bs, hd]
+    return gathered.transpose(1, 2).flatten(2, 3)[:, :, : layout.keys]
 
 
 @contextmanager
