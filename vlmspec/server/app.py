@@ -321,6 +321,10 @@ def _parse(raw: bytes) -> ChatCompletionRequest:
 def _request_options(body: ChatCompletionRequest, engine: BatchEngine, config: ServerConfig):
     """The request's :class:`RequestOptions` (choice 0's seed), checked against the model."""
     options = body.request_options(config.default_max_tokens, default_seed=secrets.randbits(63))
+    try:
+        options.check_vocabulary(engine.target.vocab_size)
+    except ValueError as err:
+        raise APIError(400, str(err), param="logit_bias") from None
     if options.max_new_tokens > engine.target.max_context:
         raise APIError(
             400,
