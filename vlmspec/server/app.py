@@ -5,7 +5,8 @@ with uvicorn (``vlmspec serve`` does that). Endpoints:
 
 * ``POST /v1/chat/completions``: text and ``image_url`` parts (base64 ``data:`` URLs; local
   paths only inside ``--allowed-local-media-path``), ``max_tokens``, ``temperature``,
-  ``top_p``, ``top_k`` (extension), ``seed``, ``n``, ``stop``, ``stream`` (server-sent events
+  ``top_p``, ``top_k`` and ``min_p`` (extensions), ``logit_bias``, ``seed``, ``n``
+  (:func:`~vlmspec.server.protocol.choice_seed`), ``stop``, ``stream`` (server-sent events
   ending with ``data: [DONE]``). Responses carry ``usage`` and a ``vlmspec`` field with
   tau and the acceptance by draft position. Every other OpenAI field is refused with a 400
   naming it unless its value leaves the answer as it is (:data:`~vlmspec.server.protocol.REFUSED`).
