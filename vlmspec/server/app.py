@@ -140,6 +140,7 @@ def create_app(engine: BatchEngine, config: ServerConfig | None = None) -> FastA
     async def chat_completions(request: Request) -> Response:
         request_id = _request_id(request)
         reservation = _reserve(worker)  # before the body is read: a full server spends nothing on it
+        handles: list[RequestHandle] = []
         try:
             body = _parse(await _read_body(request))
             if body.model is not None and body.model != config.model_name:
@@ -160,12 +161,12 @@ def create_app(engine: BatchEngine, config: ServerConfig | None = None) -> FastA
                 body.n,
             )
             del body, work  # the images' base64 text is not needed any more: only the processed inputs are
-            handles = [
-                await _submit(worker, reservation, inputs, options, choice_seed(options.seed, index))
-                for index in range(n)
-            ]
+            for index in range(n):
+                handles.append(await _submit(worker, reservation, inputs, options, choice_seed(options.seed, index)))
         except BaseException:
             reservation.release()
+            for handle in handles:  # choices already running: nobody will read them
+                worker.abort(handle)
             raise
         reservation.release()  # nothing is left: each request holds its own place now
         completion = f"chatcmpl-{request_id}"

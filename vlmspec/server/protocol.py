@@ -63,7 +63,7 @@ ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart]
-    name: str | None = None  # a participant's name: OpenAI's models may read it; Qwen's chat template has no place
+    name: str | None = None  # a participant's name: refused (Qwen's chat templates have no place for it)
 
 
 class StreamOptions(_Strict):
@@ -150,6 +150,15 @@ class ChatCompletionRequest(_Strict):
                     f"{name} is not supported by vlmspec serve; leave it out (the fields it implements are listed "
                     "in docs/serving.md)",
                     param=name,
+                    code="unsupported_parameter",
+                )
+        for index, message in enumerate(self.messages):
+            if message.name is not None:
+                raise APIError(
+                    400,
+                    f"messages[{index}].name is not supported by vlmspec serve (the model's chat template has no "
+                    "place for a participant's name); leave it out",
+                    param=f"messages[{index}].name",
                     code="unsupported_parameter",
                 )
         if self.stream_options is not None and not self.stream:
