@@ -63,7 +63,9 @@ def test_compare_fails_when_a_greedy_answer_differs_from_the_target_alone(capsys
 
 
 def test_user_errors_exit_2_with_the_fix(capsys):
-    assert main(["generate", "--target", "tiny:qwen2_vl", "--prompt", "hi", "--temperature", "-1"]) == 2
+    with pytest.raises(SystemExit) as refused:  # argparse refuses it, before anything is loaded
+        main(["generate", "--target", "tiny:qwen2_vl", "--prompt", "hi", "--temperature", "-1"])
+    assert refused.value.code == 2
     assert "--temperature: must be a finite number >= 0, got '-1'" in capsys.readouterr().err
     assert main(["generate", "--target", "/no/such/dir", "--prompt", "hi"]) == 2
     assert main(["generate", "--target", "tiny:qwen2_vl", "--prompt", "hi", "--scheduler", "sps"]) == 2
@@ -91,7 +93,9 @@ def test_user_errors_exit_2_with_the_fix(capsys):
 )
 def test_every_numeric_option_out_of_range_exits_2_naming_it(argv, capsys):
     """Before anything is loaded: argparse refuses the value with the range it must lie in."""
-    assert main(argv) == 2
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    assert refused.value.code == 2
     assert f"argument {argv[-2]}: must be" in capsys.readouterr().err
 
 

@@ -19,10 +19,7 @@ from vlmspec.commands.sps import add_profile, add_simulate
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit:  # --help (0), or an option argparse refused, with its message (2)
-        return int(exit.code or 0)
+    args = parser.parse_args(argv)
     try:
         return args.run(args)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as err:
