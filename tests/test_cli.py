@@ -1,6 +1,8 @@
 import dataclasses
 import json
 
+import pytest
+
 from vlmspec.cli import main
 
 
@@ -61,13 +63,40 @@ def test_compare_fails_when_a_greedy_answer_differs_from_the_target_alone(capsys
 
 
 def test_user_errors_exit_2_with_the_fix(capsys):
-    assert main(["generate", "--target", "tiny:qwen2_vl", "--prompt", "hi", "--temperature", "-1"]) == 2
-    assert "temperature must be" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # argparse refuses it, before anything is loaded
+        main(["generate", "--target", "tiny:qwen2_vl", "--prompt", "hi", "--temperature", "-1"])
+    assert refused.value.code == 2
+    assert "--temperature: must be a finite number >= 0, got '-1'" in capsys.readouterr().err
     assert main(["generate", "--target", "/no/such/dir", "--prompt", "hi"]) == 2
     assert main(["generate", "--target", "tiny:qwen2_vl", "--prompt", "hi", "--scheduler", "sps"]) == 2
     err = capsys.readouterr().err
     assert "vlmspec profile" in err
     assert "--sps sps.json" in err and "verifying every draft" not in err  # a fix for the command line, no false note
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--target", "tiny:qwen2_vl", "--default-max-tokens", "0"],
+        ["serve", "--target", "tiny:qwen2_vl", "--default-max-tokens", "-5"],
+        ["serve", "--target", "tiny:qwen2_vl", "--port", "70000"],
+        ["serve", "--target", "tiny:qwen2_vl", "--max-queued", "-1"],
+        ["serve", "--target", "tiny:qwen2_vl", "--threshold", "1.5"],
+        ["serve", "--target", "tiny:qwen2_vl", "--max-request-bytes", "1e6"],
+        ["generate", "--target", "tiny:qwen2_vl", "--prompt", "hi", "--top-p", "0"],
+        ["generate", "--target", "tiny:qwen2_vl", "--prompt", "hi", "--temperature", "nan"],
+        ["demo", "--repeats", "0"],
+        ["profile", "--target", "tiny:qwen2_vl", "--out", "x.json", "--warmup", "-1"],
+        ["simulate", "--gamma", "17"],
+    ],
+    ids=lambda argv: " ".join(argv[:1] + argv[-2:]),
+)
+def test_every_numeric_option_out_of_range_exits_2_naming_it(argv, capsys):
+    """Before anything is loaded: argparse refuses the value with the range it must lie in."""
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    assert refused.value.code == 2
+    assert f"argument {argv[-2]}: must be" in capsys.readouterr().err
 
 
 def test_profile_writes_a_table_the_schedulers_accept(tmp_path, capsys):

@@ -34,7 +34,7 @@ def http(url: str, body: object | None = None, raw: bytes | None = None) -> tupl
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=60) as response:
+        with urllib.request.urlopen(request, timeout=600) as response:
             status, payload = response.status, response.read().decode()
     except urllib.error.HTTPError as err:
         status, payload = err.code, err.read().decode()

@@ -50,9 +50,9 @@ def test_serve_image_limits_default_to_image_limits_and_refuse_zero(monkeypatch,
     monkeypatch.setattr("vlmspec.server.serve", lambda engine, config, host, port: served.update(locals()))
     assert main(["serve", "--target", "tiny:qwen2_vl", "--drafter", "prompt-lookup"]) == 0
     assert served["config"].image_limits == ImageLimits()
-    with pytest.raises(SystemExit) as exited:
+    with pytest.raises(SystemExit) as refused:
         main(["serve", "--target", "tiny:qwen2_vl", "--max-image-pixels", "0"])
-    assert exited.value.code == 2
+    assert refused.value.code == 2
     assert "--max-image-pixels: must be an integer >= 1, got '0'" in capsys.readouterr().err
 
 

@@ -477,3 +477,19 @@ def test_a_seeded_sample_is_the_same_when_a_batch_mate_fails_after_drawing(make_
     result, failed = engine.generate_many([mine, doomed])
     assert failed.finish_reason == "error" and "injected" in str(failed.error)
     assert result.token_ids == alone.token_ids and result.finish_reason == alone.finish_reason
+
+
+def test_inputs_processed_beforehand_give_the_same_answer(make_target, astronaut):
+    """A server builds a request's inputs off the engine's thread and queues them ready (add_request(inputs=...))."""
+    target = make_target("qwen2_vl")
+    engine = BatchEngine(target, PromptLookup())
+    image = astronaut.resize((64, 64))
+    inputs = target.build_inputs(image, "Describe it.")
+    ready, built = engine.generate_many(
+        [dict(inputs=inputs, max_new_tokens=8), dict(images=image, prompt="Describe it.", max_new_tokens=8)]
+    )
+    assert ready.token_ids == built.token_ids and ready.prompt_tokens == built.prompt_tokens
+    with pytest.raises(ValueError, match="either inputs"):
+        engine.add_request(image, inputs=inputs)
+    with pytest.raises(TypeError, match="TargetInputs"):
+        engine.add_request(inputs={"input_ids": inputs.input_ids})

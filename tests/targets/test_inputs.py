@@ -3,9 +3,17 @@ import io
 import numpy as np
 import pytest
 from image_helpers import bomb_png
-from PIL import Image, ImageFile
+from PIL import EpsImagePlugin, Image, ImageFile
 
-from vlmspec.targets.inputs import ImageLimits, ImageTooLarge, chat_messages, load_image, load_images
+from vlmspec.targets.inputs import (
+    ImageLimits,
+    ImageTooLarge,
+    chat_messages,
+    image_format,
+    image_header,
+    load_image,
+    load_images,
+)
 
 
 def test_accepts_pil_path_array_and_bytes(tmp_path, astronaut, coffee):
@@ -132,3 +140,51 @@ def test_a_broken_image_is_a_value_error(astronaut):
 def test_limits_must_be_positive_integers(bad):
     with pytest.raises(ValueError, match="ImageLimits.max_pixels must be a positive integer"):
         ImageLimits(max_pixels=bad)
+
+
+def encoded(image: Image.Image, kind: str, **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, kind, **options)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["PNG", "JPEG", "WEBP", "BMP"])
+def test_the_allowed_formats_are_read(astronaut, kind):
+    image = load_image(encoded(astronaut.resize((40, 30)), kind))
+    assert image.size == (40, 30) and image.mode == "RGB"
+    assert image_header(encoded(astronaut.resize((40, 30)), kind), "it") == (40, 30)
+
+
+def test_a_gif_gives_its_first_frame():
+    frames = [Image.new("RGB", (16, 16), colour) for colour in ((255, 0, 0), (0, 0, 255))]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, "GIF", save_all=True, append_images=frames[1:])
+    assert image_format(buffer.getvalue()) == "GIF"
+    red, green, blue = load_image(buffer.getvalue()).getpixel((8, 8))
+    assert red > 200 and blue < 50
+
+
+EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 32 32\n%%EndComments\nshowpage\n%%EOF\n"
+
+
+@pytest.mark.parametrize("kind", ["EPS", "TIFF", "ICO", "PPM", "text"])
+def test_other_formats_are_refused_from_their_first_bytes_before_any_plugin_runs(astronaut, kind, monkeypatch):
+    """EPS would run Ghostscript: it, and every format outside the allow-list, is refused before Pillow sees it."""
+    opened = []
+    monkeypatch.setattr(EpsImagePlugin.EpsImageFile, "_open", lambda self: opened.append("eps"))
+    monkeypatch.setattr(Image, "open", lambda *args, **kwargs: opened.append("open"))
+    data = {"EPS": EPS, "text": b"hello, not an image"}.get(kind) or encoded(astronaut.resize((32, 32)), kind)
+    assert image_format(data) is None
+    with pytest.raises(ValueError, match="not a readable image: .* in no image format read here"):
+        load_image(data)
+    with pytest.raises(ValueError, match="PNG, JPEG, WebP, GIF or BMP"):
+        image_header(data, "it")
+    assert not opened
+
+
+def test_a_file_that_lies_about_its_format_is_opened_by_the_one_plugin_its_bytes_name(astronaut):
+    """PNG bytes behind a JPEG's first bytes: Pillow is allowed JPEG alone, so the PNG plugin never reads it."""
+    data = b"\xff\xd8\xff" + encoded(astronaut.resize((8, 8)), "PNG")
+    assert image_format(data) == "JPEG"
+    with pytest.raises(ValueError, match="not a readable"):
+        load_image(data)

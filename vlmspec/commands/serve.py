@@ -130,6 +130,12 @@ def add_serve(commands) -> None:
         help=f"largest n (choices per request; each takes a place of --max-batch-size + --max-queued) "
         f"(default {RequestLimits.max_choices})",
     )
+    limits.add_argument(
+        "--max-logit-bias",
+        type=integer(1),
+        default=RequestLimits.max_logit_bias,
+        help=f"most tokens a logit_bias may name (default {RequestLimits.max_logit_bias})",
+    )
     # Verifying every draft is the slowest choice for a drafter with a confidence head (see the README).
     p.set_defaults(run=_run_serve, scheduler=None)
 
@@ -152,6 +158,7 @@ def _run_serve(args) -> int:
         max_stop_strings=args.max_stop_strings,
         max_stop_length=args.max_stop_length,
         max_choices=args.max_choices,
+        max_logit_bias=args.max_logit_bias,
     )
     _serving_defaults(args)
     engine = build_engine(

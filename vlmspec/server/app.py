@@ -5,7 +5,8 @@ with uvicorn (``vlmspec serve`` does that). Endpoints:
 
 * ``POST /v1/chat/completions``: text and ``image_url`` parts (base64 ``data:`` URLs; local
   paths only inside ``--allowed-local-media-path``), ``max_tokens``, ``temperature``,
-  ``top_p``, ``top_k`` (extension), ``seed``, ``n``, ``stop``, ``stream`` (server-sent events
+  ``top_p``, ``top_k`` and ``min_p`` (extensions), ``logit_bias``, ``seed``, ``n``
+  (:func:`~vlmspec.server.protocol.choice_seed`), ``stop``, ``stream`` (server-sent events
   ending with ``data: [DONE]``). Responses carry ``usage`` and a ``vlmspec`` field with
   tau and the acceptance by draft position. Every other OpenAI field is refused with a 400
   naming it unless its value leaves the answer as it is (:data:`~vlmspec.server.protocol.REFUSED`).
@@ -139,6 +140,7 @@ def create_app(engine: BatchEngine, config: ServerConfig | None = None) -> FastA
     async def chat_completions(request: Request) -> Response:
         request_id = _request_id(request)
         reservation = _reserve(worker)  # before the body is read: a full server spends nothing on it
+        handles: list[RequestHandle] = []
         try:
             body = _parse(await _read_body(request))
             if body.model is not None and body.model != config.model_name:
@@ -159,12 +161,12 @@ def create_app(engine: BatchEngine, config: ServerConfig | None = None) -> FastA
                 body.n,
             )
             del body, work  # the images' base64 text is not needed any more: only the processed inputs are
-            handles = [
-                await _submit(worker, reservation, inputs, options, choice_seed(options.seed, index))
-                for index in range(n)
-            ]
+            for index in range(n):
+                handles.append(await _submit(worker, reservation, inputs, options, choice_seed(options.seed, index)))
         except BaseException:
             reservation.release()
+            for handle in handles:  # choices already running: nobody will read them
+                worker.abort(handle)
             raise
         reservation.release()  # nothing is left: each request holds its own place now
         completion = f"chatcmpl-{request_id}"
@@ -321,6 +323,10 @@ def _parse(raw: bytes) -> ChatCompletionRequest:
 def _request_options(body: ChatCompletionRequest, engine: BatchEngine, config: ServerConfig):
     """The request's :class:`RequestOptions` (choice 0's seed), checked against the model."""
     options = body.request_options(config.default_max_tokens, default_seed=secrets.randbits(63))
+    try:
+        options.check_vocabulary(engine.target.vocab_size)
+    except ValueError as err:
+        raise APIError(400, str(err), param="logit_bias") from None
     if options.max_new_tokens > engine.target.max_context:
         raise APIError(
             400,

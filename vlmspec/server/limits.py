@@ -9,7 +9,7 @@ flag. The order of the checks is the order of the costs they guard:
 2. **the body** (413, ``max_body_bytes``): ``Content-Length`` before reading, and the bytes
    counted while reading (reading stops at the cap);
 3. **the JSON fields** (400): ``n`` (``max_choices``), stop strings (``max_stop_strings``,
-   ``max_stop_length``), the number of images (``max_images``);
+   ``max_stop_length``), ``logit_bias`` (``max_logit_bias``), the number of images (``max_images``);
 4. **the images' headers** (400): each image's encoded size and pixels
    (:class:`~vlmspec.targets.inputs.ImageLimits`) and the request's total pixels
    (``max_total_pixels``), all read before any image is decoded;
@@ -35,6 +35,7 @@ FLAGS = {
     "max_stop_strings": "--max-stop-strings",
     "max_stop_length": "--max-stop-length",
     "max_choices": "--max-choices",
+    "max_logit_bias": "--max-logit-bias",
 }
 RETRY_AFTER_S = 1  # what a 429 tells a client to wait: a decode step takes well under a second
 
@@ -50,6 +51,7 @@ class RequestLimits:
     * ``max_stop_strings`` 4 (OpenAI's limit) and ``max_stop_length`` 256 characters: every
       step matches the stop strings against the answer's tail.
     * ``max_choices`` 8: ``n``; each choice is a request of its own and takes a place.
+    * ``max_logit_bias`` 300: tokens a ``logit_bias`` may name (each is added to the logits every step).
     """
 
     max_body_bytes: int = 50 * 1024 * 1024
@@ -59,6 +61,7 @@ class RequestLimits:
     max_stop_strings: int = 4
     max_stop_length: int = 256
     max_choices: int = 8
+    max_logit_bias: int = 300
 
     def __post_init__(self) -> None:
         for field in fields(self):

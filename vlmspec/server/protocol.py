@@ -63,7 +63,7 @@ ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart]
-    name: str | None = None  # a participant's name: OpenAI's models may read it; Qwen's chat template has no place
+    name: str | None = None  # a participant's name: refused (Qwen's chat templates have no place for it)
 
 
 class StreamOptions(_Strict):
@@ -95,8 +95,6 @@ REFUSED: dict[str, Any] = {
     "web_search_options": lambda v: _neutral(v),
     "store": lambda v: _neutral(v, False),  # nothing is stored
     "service_tier": lambda v: _neutral(v, "auto", "default"),
-    "logit_bias": lambda v: _neutral(v, {}),
-    "min_p": lambda v: _neutral(v, 0),
 }
 
 
@@ -110,6 +108,9 @@ class ChatCompletionRequest(_Strict):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # extension; 0 and -1 mean "no top-k", as in vLLM
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # extension, as in vLLM and llama.cpp
+    # token id (a decimal string, as JSON keys are) -> a bias in [-100, 100] added to its logit (OpenAI)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None  # at most RequestLimits.max_stop_strings (OpenAI: 4)
     stream: bool = False
@@ -139,8 +140,6 @@ class ChatCompletionRequest(_Strict):
     web_search_options: Any = None
     store: Any = None
     service_tier: Any = None
-    logit_bias: Any = None
-    min_p: Any = None
 
     def check_supported(self, limits: RequestLimits) -> None:
         """Raise a 400 naming the first refused field used, or a field over one of ``limits``."""
@@ -151,6 +150,15 @@ class ChatCompletionRequest(_Strict):
                     f"{name} is not supported by vlmspec serve; leave it out (the fields it implements are listed "
                     "in docs/serving.md)",
                     param=name,
+                    code="unsupported_parameter",
+                )
+        for index, message in enumerate(self.messages):
+            if message.name is not None:
+                raise APIError(
+                    400,
+                    f"messages[{index}].name is not supported by vlmspec serve (the model's chat template has no "
+                    "place for a participant's name); leave it out",
+                    param=f"messages[{index}].name",
                     code="unsupported_parameter",
                 )
         if self.stream_options is not None and not self.stream:
@@ -170,6 +178,14 @@ class ChatCompletionRequest(_Strict):
                 f"stop has {len(stops)} strings, over the server's limit of {limits.max_stop_strings} "
                 f"(vlmspec serve {FLAGS['max_stop_strings']})",
                 param="stop",
+                code="limit_exceeded",
+            )
+        if self.logit_bias is not None and len(self.logit_bias) > limits.max_logit_bias:
+            raise APIError(
+                400,
+                f"logit_bias names {len(self.logit_bias)} tokens, over the server's limit of {limits.max_logit_bias} "
+                f"(vlmspec serve {FLAGS['max_logit_bias']})",
+                param="logit_bias",
                 code="limit_exceeded",
             )
         longest = max(map(len, stops), default=0)
@@ -203,11 +219,14 @@ class ChatCompletionRequest(_Strict):
                 temperature=self.temperature,
                 top_k=self.top_k_or_none,
                 top_p=self.top_p,
+                min_p=self.min_p,
+                logit_bias=self.logit_bias,
                 seed=default_seed if self.seed is None else self.seed,
                 stop=self.stop,
             )
         except ValueError as err:
-            raise APIError(400, str(err)) from None
+            param = next((name for name in ("logit_bias", "min_p", "stop") if str(err).startswith(name)), None)
+            raise APIError(400, str(err), param=param) from None
 
 
 def choice_seed(seed: int, index: int) -> int:
