@@ -26,17 +26,39 @@ class Injected(RuntimeError):
 
 
 def fail_once(monkeypatch, proposer: DSparkProposer, at_call: int) -> list[int]:
-    """Make the drafter's sequential head raise on its ``at_call``-th call (1-based), once; returns the call count."""
-    calls, sample = [0], proposer._sample
+    """Make the drafter's round raise on its ``at_call``-th call (1-based), once; returns the call count.
 
-    def failing(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == at_call:
-            raise Injected("a drafting round failed")
-        return sample(*args, **kwargs)
+    The failure is planted in whichever path drafts: the PyTorch round's sequential head (several
+    requests, or no native kernel) or the native round (one request), both after the states took
+    the update's span.
+    """
+    calls = [0]
 
-    monkeypatch.setattr(proposer, "_sample", failing)
+    def failing(run):
+        def call(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == at_call:
+                raise Injected("a drafting round failed")
+            return run(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(proposer, "_sample", failing(proposer._sample))
+    monkeypatch.setattr(proposer, "_native", _FailingRound(proposer._native, failing))
     return calls
+
+
+class _FailingRound:
+    """A native round whose calls go through ``wrap`` (the injected failure)."""
+
+    def __init__(self, native, wrap) -> None:
+        self._native, self._call = native, wrap(native.__call__)
+
+    def available(self) -> bool:
+        return self._native.available()
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
 
 
 def prompt_update(proposer: DSparkProposer, length: int, seed: int) -> ContextUpdate:
