@@ -332,7 +332,7 @@ def draw_row_uniforms(
     ]
     if not rows:
         return torch.empty(0, dtype=torch.float64, device=device)
-    return torch.cat(rows).to(device)
+    return (rows[0] if len(rows) == 1 else torch.cat(rows)).to(device)
 
 
 def sample_from_uniforms(

@@ -195,8 +195,11 @@ def _round_uniforms(
 ) -> torch.Tensor:  # [B, gamma + 1] float64
     """Row r's ``num_tokens[r] + 1`` uniforms, one call on its generator: the acceptance tests in
     slots ``0 .. num_tokens[r] - 1``, the next token's in slot ``gamma`` (the rest are unused)."""
+    counts = num_tokens.tolist()  # [B]
+    flat = sampling.draw_row_uniforms(generators, [n + 1 for n in counts], device)  # [sum (n_r + 1)]
+    if all(n == gamma for n in counts):  # every row verifies gamma drafts (the target alone: gamma 0): no gaps
+        return flat.reshape(len(counts), gamma + 1)
     sizes = num_tokens.to(device) + 1  # [B]
-    flat = sampling.draw_row_uniforms(generators, sizes.tolist(), device)  # [sum (n_r + 1)]
     uniforms = torch.zeros(sizes.shape[0], gamma + 1, dtype=torch.float64, device=device)
     rows = torch.repeat_interleave(torch.arange(sizes.shape[0], device=device), sizes)
     within = torch.arange(flat.shape[0], device=device) - (torch.cumsum(sizes, 0) - sizes)[rows]

@@ -9,7 +9,8 @@
 //      mass of the tokens with e >= t;
 //   3. the candidates: the tokens above the largest threshold that provably holds every survivor
 //      (top-k: at least k tokens; top-p: more mass than top_p of Z, with a margin; min-p: e >=
-//      min_p). Only they are sorted (or partially selected for top-k), a few to a few hundred.
+//      min_p). Nothing is sorted: top-k takes the k-th score by selection (nth_element), top-p its
+//      cut by a quickselect on rank that carries the tail mass (expected linear time).
 // A token below the threshold ranks below every candidate (e is monotone in s), so a candidate's
 // tail mass is the mass left outside the candidates plus the candidates ranked at or below it.
 //
@@ -185,6 +186,37 @@ void gather(const float* scores, const float* e, int64_t V, float threshold, std
     if (e[i] >= threshold) out.push_back({scores[i], e[i], i});
 }
 
+// Top-p's cut without sorting: reorders c so that its first J candidates are the nucleus and returns
+// J, where J is the first rank (descending score, ties by index) whose tail mass (its own e plus all
+// ranked below it, `outside` included) is at or below `drop`; at least 1, since the most probable
+// token always stays. A quickselect on rank that carries the tail mass: expected linear time.
+size_t nucleus_size(std::vector<Candidate>& c, double outside, double drop) {
+  size_t lo = 0, hi = c.size(), cut = c.size();
+  double below = outside;  // the tail mass at rank hi: everything ranked at or after hi
+  while (lo < hi) {
+    // median of three by rank, moved to the end of the range, as the pivot
+    const size_t mid = lo + (hi - lo) / 2, last = hi - 1;
+    if (ranks_before(c[mid], c[lo])) std::swap(c[mid], c[lo]);
+    if (ranks_before(c[last], c[lo])) std::swap(c[last], c[lo]);
+    if (ranks_before(c[mid], c[last])) std::swap(c[mid], c[last]);  // c[last] is now the median
+    const Candidate pivot = c[last];
+    const auto split = std::partition(c.begin() + lo, c.begin() + last,
+                                      [&](const Candidate& x) { return ranks_before(x, pivot); });
+    std::swap(*split, c[last]);
+    const size_t at = split - c.begin();
+    double tail = below + pivot.e;
+    for (size_t i = at + 1; i < hi; ++i) tail += c[i].e;
+    if (tail <= drop) {  // the pivot and everything after it are dropped; the cut may lie higher
+      cut = at;
+      hi = at;
+      below = tail;
+    } else {  // the pivot and everything before it stay
+      lo = at + 1;
+    }
+  }
+  return std::max<size_t>(cut, 1);
+}
+
 struct WarpParams {
   float temperature;
   int64_t top_k;  // 0: none
@@ -250,19 +282,11 @@ void warp_row(const T* logits, int64_t V, const WarpParams& p, float* out, Scrat
     for (const Candidate& x : c) kept_mass += x.e;
   }
   if (top_p) {
-    std::sort(c.begin(), c.end(), ranks_before);
     double candidates_mass = 0.0;
     for (const Candidate& x : c) candidates_mass += x.e;
-    // Tail mass at or below each rank, accumulated from the least probable (as the reference).
-    double tail = std::max(kept_mass - candidates_mass, 0.0);
-    const double drop_at_or_below = (1.0 - p.top_p) * kept_mass;
-    size_t keep = c.size();
-    for (size_t j = c.size(); j-- > 1;) {  // the most probable token always stays
-      tail += c[j].e;
-      if (tail <= drop_at_or_below) keep = j;
-      else break;
-    }
-    c.resize(keep);
+    // The mass outside the candidates ranks below all of them: every candidate's tail includes it.
+    const double outside = std::max(kept_mass - candidates_mass, 0.0);
+    c.resize(nucleus_size(c, outside, (1.0 - p.top_p) * kept_mass));
   }
   if (min_p) c.erase(std::remove_if(c.begin(), c.end(), [&](const Candidate& x) { return x.e < p.min_p; }), c.end());
   double final_mass = 0.0;
