@@ -64,10 +64,13 @@ class LlamaServer(PeerProcess):
         command = [str(server), *args, "--port", str(port), "--host", "127.0.0.1", "-np", str(parallel), "--metrics"]
         super().__init__(name, command, port=port, log_path=Path(work_dir) / f"{name}.log")
 
-    def complete(self, prompt: Sequence[int], max_new_tokens: int) -> dict[str, Any]:
-        """Greedy tokens, llama.cpp's timings and the client's wall seconds for one token-id prompt."""
+    def complete(
+        self, prompt: Sequence[int], max_new_tokens: int, sampling: dict[str, float] | None = None
+    ) -> dict[str, Any]:
+        """Tokens, llama.cpp's timings and the client's wall seconds for one token-id prompt (greedy by default;
+        ``sampling``: see :func:`completion_body`)."""
         tick = time.perf_counter()
-        answer = _post(f"{self.url}/completion", completion_body(prompt, max_new_tokens))
+        answer = _post(f"{self.url}/completion", completion_body(prompt, max_new_tokens, sampling))
         return {"tokens": list(answer["tokens"]), "timings": answer["timings"], "wall_s": time.perf_counter() - tick}
 
     def stream(self, prompt: Sequence[int] | dict, max_new_tokens: int) -> dict[str, Any]:
@@ -303,14 +306,23 @@ def server_version(server: Path) -> str:
     return (done.stdout + done.stderr).strip().splitlines()[0] if (done.stdout or done.stderr) else "unknown"
 
 
-def completion_body(prompt: Sequence[int] | dict, max_new_tokens: int) -> dict[str, Any]:
-    """A greedy ``/completion`` request: token ids (or prompt fields), no prompt cache, EOS ends it as elsewhere."""
+def completion_body(
+    prompt: Sequence[int] | dict, max_new_tokens: int, sampling: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """A ``/completion`` request: token ids (or prompt fields), no prompt cache, EOS ends it as elsewhere.
+
+    Greedy unless ``sampling`` gives ``temperature``, ``top_p`` and ``seed``: then llama.cpp samples with
+    those and with its other samplers off (top-k 0, min-p 0: its default min-p is 0.05), the chain
+    vlmspec's own sampled rows run.
+    """
     fields = dict(prompt) if isinstance(prompt, dict) else {"prompt": list(prompt)}
+    if sampling is not None:
+        fields |= {"top_k": 0, "min_p": 0.0, **sampling}
     return {
-        **fields,
-        "n_predict": max_new_tokens,
         "temperature": 0.0,
         "top_k": 1,
+        **fields,
+        "n_predict": max_new_tokens,
         "cache_prompt": False,
         "return_tokens": True,
         "stream": False,

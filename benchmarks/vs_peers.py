@@ -88,6 +88,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="also run DSpark every round and the defaults with this DSpark drafter directory (its own "
         "calibration), e.g. the one a retrained drafter replaces: before and after in the same run",
     )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample at this temperature instead of greedy (every row: vlmspec, llama.cpp with top-k and min-p off); "
+        "transformers' rows and the identity columns are left out, and a greedy target-alone row is added",
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling")
+    parser.add_argument("--seed", type=int, default=0, help="with --temperature: question i samples with seed + i")
     parser.add_argument("--out", default="runs/vs-peers")
     return parser.parse_args(argv)
 
@@ -116,18 +125,26 @@ def main(argv: Sequence[str] | None = None) -> Path:
 
         return run
 
-    def vlmspec_run(decode: str, speculative: bool, host: SpecEngine = engine):
+    def vlmspec_run(decode: str, speculative: bool, host: SpecEngine = engine, sampled: bool = True):
         def run(i: int) -> list[int]:
             target.decode = decode
             task = tasks[i]
-            return host.generate(None, task.prompt, max_new_tokens=args.max_new_tokens, speculative=speculative)
+            options = sampling(args, i) if sampled else None
+            return host.generate(
+                None, task.prompt, max_new_tokens=args.max_new_tokens, speculative=speculative, **(options or {})
+            )
 
         return run
 
+    greedy = sampling(args, 0) is None
     variants = {
         "transformers generate()": hf_generate(),
         "transformers prompt lookup": hf_generate(prompt_lookup_num_tokens=10, max_matching_ngram_size=2),
         "vlmspec target alone (reference forward)": vlmspec_run("reference", False),
+    }
+    if not greedy:  # transformers' rows here decode greedily: in a sampled run the greedy target alone stands in
+        variants = {GREEDY_ALONE: vlmspec_run("fast", False, sampled=False)}
+    variants |= {
         ALONE: vlmspec_run("fast", False),
         DSPARK_EVERY_ROUND: vlmspec_run("fast", True, dspark),
         DSPARK_ALONE: vlmspec_run("fast", True, dspark_alone),
@@ -140,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     skipped: dict[str, str] = {}
     servers = [] if args.no_llama_cpp else start_llama_servers(target, args, out, skipped)
     for name, server in servers:
-        variants[name] = llama_run(server, prompt_ids, args.max_new_tokens)
+        variants[name] = llama_run(server, prompt_ids, args.max_new_tokens, lambda i: sampling(args, i))
     try:
         for run in variants.values():  # warm-up: first-call costs (packing the weights, allocators)
             run(0)
@@ -162,16 +179,20 @@ def main(argv: Sequence[str] | None = None) -> Path:
     if not args.no_vllm:
         results.update(vllm_rows(prompt_ids, args, out, skipped))
 
-    reference = results["transformers generate()"]["tokens"]
+    reference = results["transformers generate()"]["tokens"] if greedy else None
     alone = results[ALONE]["tokens"]
     rows, report = [], {}
     best_llama = best_of(results, lambda n: n.startswith("llama.cpp") and n != llama_cpp_peer.LOSSY_ROW)
     best_vllm = best_of(results, lambda n: n.startswith("vLLM"))
     for name, r in results.items():
+        speed = tok_per_s(r)
+        if not greedy:  # sampled answers differ by design: speed and tau only
+            rows.append([name, speed, None, speed / best_llama if best_llama else None, None, mean_tau(r), "-", "-"])
+            report[name] = {**r, "tok_per_s": speed}
+            continue
         identity = identity_report(target, inputs, reference, r["tokens"], args.tie_margin)
         own = identity_report(target, inputs, alone, r["tokens"], args.tie_margin)  # against vlmspec's target alone
-        speed = tok_per_s(r)
-        tau = sum(r["tau"]) / len(r["tau"]) if r.get("tau") else None
+        tau = mean_tau(r)
         rows.append(
             [
                 name,
@@ -191,7 +212,8 @@ def main(argv: Sequence[str] | None = None) -> Path:
     print(f"{table}\n\n{by_class}{notes}")
     write_text(
         out / "table.md",
-        f"dtype {args.dtype}, {len(tasks)} questions, batch 1, greedy, {args.max_new_tokens} new tokens; "
+        f"dtype {args.dtype}, {len(tasks)} questions, batch 1, {decoding_name(args)}, {args.max_new_tokens} new "
+        "tokens; "
         f"llama.cpp tok/s: client wall time, prefill included{notes}\n\n{table}\n\n"
         f"tok/s per prompt class (ratio to vlmspec's target alone)\n\n{by_class}\n",
     )
@@ -286,11 +308,26 @@ def start_llama_servers(target, args, out: Path, skipped: dict[str, str]) -> lis
     return servers
 
 
-def llama_run(server, prompt_ids: list[list[int]], max_new_tokens: int):
+def llama_run(server, prompt_ids: list[list[int]], max_new_tokens: int, sampling_of=lambda i: None):
     def run(i: int) -> dict:
-        return server.complete(prompt_ids[i], max_new_tokens)
+        return server.complete(prompt_ids[i], max_new_tokens, sampling_of(i))
 
     return run
+
+
+def sampling(args: argparse.Namespace, question: int) -> dict[str, float] | None:
+    """Question ``question``'s sampling options (temperature, top_p, seed), or None for greedy decoding."""
+    if args.temperature <= 0:
+        return None
+    return {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed + question}
+
+
+def decoding_name(args: argparse.Namespace) -> str:
+    return "greedy" if args.temperature <= 0 else f"sampled (temperature {args.temperature}, top-p {args.top_p})"
+
+
+def mean_tau(result: dict) -> float | None:
+    return sum(result["tau"]) / len(result["tau"]) if result.get("tau") else None
 
 
 def vllm_rows(prompt_ids: list[list[int]], args, out: Path, skipped: dict[str, str]) -> dict[str, dict]:
@@ -319,6 +356,7 @@ def vllm_rows(prompt_ids: list[list[int]], args, out: Path, skipped: dict[str, s
 
 
 ALONE = "vlmspec target alone (fast runner)"
+GREEDY_ALONE = "vlmspec target alone (fast runner), greedy"
 
 
 def per_class_table(tasks, results: dict) -> str:

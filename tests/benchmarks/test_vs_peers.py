@@ -95,6 +95,23 @@ def test_completion_requests_are_greedy_uncached_token_prompts():
     assert llama_cpp_peer.completion_body(multimodal, 4)["prompt"]["prompt_string"] == "a <m> b"
 
 
+def test_sampled_completion_requests_turn_llama_cpps_other_samplers_off():
+    body = llama_cpp_peer.completion_body([1, 2], 8, {"temperature": 0.7, "top_p": 0.8, "seed": 3})
+    assert (body["temperature"], body["top_p"], body["seed"]) == (0.7, 0.8, 3)
+    assert body["top_k"] == 0 and body["min_p"] == 0.0  # llama.cpp's defaults (top-k 40, min-p 0.05) would cut more
+
+
+def test_a_sampled_run_times_every_row_against_the_greedy_target_alone(tmp_path):
+    argv = ["--prompt-set", PROMPTS, "--num-questions", "2", "--max-new-tokens", "6", "--no-vllm", "--no-llama-cpp"]
+    out = vs_peers.main([*argv, "--temperature", "0.7", "--top-p", "0.8", "--seed", "5", "--out", str(tmp_path)])
+    table = (out / "table.md").read_text()
+    assert "sampled (temperature 0.7, top-p 0.8)" in table
+    assert vs_peers.GREEDY_ALONE in table and "transformers generate()" not in table  # generate() rows are greedy
+    results = json.loads((out / "results.json").read_text())["results"]
+    assert all(result["tok_per_s"] > 0 for result in results.values())
+    assert vs_peers.sampling(vs_peers.parse_args(["--temperature", "0.7", "--seed", "5"]), 2)["seed"] == 7
+
+
 @pytest.mark.slow
 def test_llama_cpp_rows_answer_the_same_tokens_as_the_target_alone(tmp_path):
     root = Path(os.environ.get("LLAMA_CPP_DIR") or llama_cpp_peer.DEFAULT_LLAMA_CPP)
