@@ -582,7 +582,7 @@ def markdown(rows: list[dict], args: argparse.Namespace, idle_rss_mib: float) ->
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.common import peer_logs_dir, prepare_out_dir, write_json, write_text
-    from benchmarks.serving import ServerProcess, wait_ready
+    from benchmarks.peer_process import PeerProcess
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="reference")
@@ -602,12 +602,12 @@ def main(argv: list[str] | None = None) -> int:
     command = [sys.executable, "-m", "vlmspec.cli", "serve", "--target", args.target, "--drafter", args.drafter]
     command += ["--port", str(args.port), "--api-key", API_KEY]
     command += ["--max-batch-size", str(args.max_batch_size), "--max-queued", str(args.max_queued)]
-    log = open(peer_logs_dir(out, "servers") / "server-hostile.log", "w")
     env = {**os.environ, "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}"}
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = ServerProcess("vlmspec", f"http://127.0.0.1:{args.port}", process, log)
+    log_path = peer_logs_dir(out, "servers") / "server-hostile.log"
+    server = PeerProcess("vlmspec", command, port=args.port, log_path=log_path, env=env).launch()
+    process = server.process
     try:
-        wait_ready(server, timeout=900)
+        server.wait_ready(timeout=900)
         client = Client(server.url)
         from vlmspec.loading import load_target
 
