@@ -96,7 +96,9 @@ def test_an_overfit_drafter_drafts_its_training_answers_through_the_engine(targe
     assert run.tau >= TAU_BAR, (run.tau, run.stats.acceptance_by_position)
 
 
-def test_served_blocks_see_what_training_blocks_saw(target, overfit_items, overfit_cache, overfit_drafter_dir):
+def test_served_blocks_see_what_training_blocks_saw(
+    target, overfit_items, overfit_cache, overfit_drafter_dir, monkeypatch
+):
     """Each served round's backbone states equal the training forward's for the same anchor.
 
     The test above shows the pipeline learns; this one pins where a mismatch would hide. A
@@ -110,9 +112,11 @@ def test_served_blocks_see_what_training_blocks_saw(target, overfit_items, overf
     """
     drafter = DSparkDrafter.from_pretrained(overfit_drafter_dir, target=target)
     served = record_block_hidden(drafter)
-    stream = SpecEngine(target, DSparkProposer(drafter)).stream(
-        None, messages=overfit_items[0].messages, max_new_tokens=ANSWER_TOKENS
-    )
+    proposer = DSparkProposer(drafter)
+    # The PyTorch round, whose block_hidden is the one training runs; the native round drafts what it drafts
+    # (tests/drafters/test_dspark_native.py), so serving through it sees the same blocks.
+    monkeypatch.setattr(proposer._native, "available", lambda: False)
+    stream = SpecEngine(target, proposer).stream(None, messages=overfit_items[0].messages, max_new_tokens=ANSWER_TOKENS)
     committed = [len(record.tokens) for record in stream.records()]
     del drafter.block_hidden  # stop recording: the training forward below calls it too
     sequence = cached_sequence_answering(overfit_cache, stream.result.token_ids)
