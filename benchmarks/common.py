@@ -24,7 +24,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -56,6 +56,13 @@ class Timer:
 
     def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self.start
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Wall-clock seconds of one call of ``fn``."""
+    with Timer() as timer:
+        fn()
+    return timer.seconds
 
 
 def run_order(variants: Sequence[T], step: int) -> list[T]:

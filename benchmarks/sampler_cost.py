@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import markdown_table, prepare_out_dir, run_order, write_json, write_text
+from benchmarks.common import markdown_table, prepare_out_dir, run_order, timed, write_json, write_text
 from vlmspec import sampling
 from vlmspec.types import DraftBlock, SamplingParams
 
@@ -121,15 +120,9 @@ def per_token_costs(logits: torch.Tensor, params: SamplingParams, rounds: int) -
             for _ in range(rounds):
                 for row in logits:
                     step = row.reshape(1, 1, -1)
-                    times.append(_timed(lambda step=step, p=mode_params: verify(block, step, p, generator)))
+                    times.append(timed(lambda step=step, p=mode_params: verify(block, step, p, generator)))
         costs[mode] = statistics.median(times)
     return costs
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    tick = time.perf_counter()
-    fn()
-    return time.perf_counter() - tick
 
 
 def main(argv: Sequence[str] | None = None) -> Path:

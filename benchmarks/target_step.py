@@ -33,14 +33,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import markdown_table, plot_lines, prepare_out_dir, run_order, write_json, write_text
+from benchmarks.common import markdown_table, plot_lines, prepare_out_dir, run_order, timed, write_json, write_text
 
 TOKEN_COUNTS = (1, 2, 4, 8)
 
@@ -148,13 +147,7 @@ def linear_pass_seconds(target, kernel: bool, isa: str, rows: int) -> float:
                 lin(inputs[lin])
 
         one_pass()
-        return min(_timed(one_pass) for _ in range(5))
-
-
-def _timed(fn: Callable[[], None]) -> float:
-    tick = time.perf_counter()
-    fn()
-    return time.perf_counter() - tick
+        return min(timed(one_pass) for _ in range(5))
 
 
 def main(argv: Sequence[str] | None = None) -> Path:
