@@ -506,3 +506,4 @@ class GenerationResult:
     finish_reason: str
     error: BaseException | None = None  # what ended a request with finish_reason "error"
     prompt_tokens: int = 0  # tokens of the prompt the target prefilled (vision tokens included)
+    cached_tokens: int = 0  # of them, tokens found in the prefix cache (not computed again)

@@ -1,23 +1,20 @@
-"""The admission rule: room, the caller's limit, and the prefill token budget while requests run."""
+"""The prefill budget: prompts take their chunks first come, first served."""
 
 import pytest
 
-from vlmspec.serving.admission import admission_count
+from vlmspec.serving.admission import chunk_sizes
 
 
 @pytest.mark.parametrize(
-    ("prompts", "room", "limit", "budget", "running", "expected"),
+    ("remaining", "budget", "expected"),
     [
-        ([100, 100, 100], 8, None, 256, 0, 3),  # nothing running: nothing to stall, all that fit
-        ([100, 100, 100], 8, None, 256, 2, 2),  # running: 200 <= 256 < 300
-        ([100, 100, 100], 8, None, 300, 2, 3),  # exactly the budget fits
-        ([900, 10], 8, None, 256, 2, 1),  # one prompt past the budget still goes alone, first
-        ([10, 900, 10], 8, None, 256, 2, 1),  # queue order is kept: no prompt jumps the long one
-        ([100, 100, 100], 2, None, None, 2, 2),  # no budget: room decides
-        ([100, 100, 100], 8, 1, 256, 2, 1),  # the caller's limit
-        ([100], 0, None, 256, 2, 0),  # no room
-        ([], 8, None, 256, 2, 0),
+        ([100, 100, 100], None, [100, 100, 100]),  # nothing decodes: everything runs whole
+        ([100, 100, 100], 256, [100, 100, 56]),  # the third takes what is left
+        ([100, 100, 100], 300, [100, 100, 100]),  # exactly the budget
+        ([900, 10], 256, [256, 0]),  # a long prompt takes the whole budget, in chunks over steps
+        ([10, 900, 10], 256, [10, 246, 0]),  # queue order is kept: no prompt jumps the long one
+        ([], 256, []),
     ],
 )
-def test_admission_count(prompts, room, limit, budget, running, expected):
-    assert admission_count(prompts, room=room, limit=limit, max_prefill_tokens=budget, running=running) == expected
+def test_chunk_sizes(remaining, budget, expected):
+    assert chunk_sizes(remaining, budget) == expected

@@ -205,21 +205,29 @@ def test_requests_that_do_not_speculate_share_the_batch_and_never_reach_the_prop
     assert len(drafter.states) == 3  # the proposer opened state for the three that speculate, and no others
 
 
-def test_prefills_wait_for_the_token_budget_while_requests_run_and_outputs_stay_exact(make_target, astronaut, coffee):
+def test_prompts_prefill_in_chunks_of_the_budget_while_requests_run_and_outputs_stay_exact(
+    make_target, astronaut, coffee
+):
     target = make_target("qwen2_5_vl")
-    requests = request_list(astronaut, coffee)
+    requests = request_list(astronaut, coffee, lengths=(40,) * 5)  # the target alone: 40 steps of decoding
     expected = alone_outputs(target, requests)
-    engine = BatchEngine(target, scripted(target, requests, expected), max_prefill_tokens=1)
+    budget = 7
+    engine = BatchEngine(target, max_prefill_tokens=budget, prefix_caching=False)  # chunks, not hits
     ids = [engine.add_request(**request) for request in requests]
-    first = engine.admit()  # nothing runs yet: nothing to stall, everything is admitted
+    first = engine.admit()  # nothing runs yet: nothing to stall, every prompt runs whole
     assert len(first) == 5 and engine.num_waiting == 0
     late = [engine.add_request(**request) for request in requests[:2]]
-    admitted_per_step = []
+    lengths = [target.build_inputs(request["images"], request["prompt"]).length for request in requests[:2]]
+    first_token_step = {}
+    step = 0
     while engine.has_unfinished:
-        waiting = engine.num_waiting
-        engine.step()
-        admitted_per_step.append(waiting - engine.num_waiting)
-    assert admitted_per_step[:2] == [1, 1]  # requests were running: one prompt a step (each is past the budget)
+        step += 1
+        for output in engine.step():
+            if output.request_id in late and output.tokens and output.request_id not in first_token_step:
+                first_token_step[output.request_id] = step
+    # requests were decoding throughout: each late prompt ran in chunks of at most `budget` tokens, one a step
+    assert first_token_step[late[0]] >= -(-lengths[0] // budget)
+    assert first_token_step[late[1]] >= -(-(lengths[0] + lengths[1]) // budget)
     assert [engine.result(i).token_ids for i in ids + late] == expected + expected[:2]
 
 
@@ -311,11 +319,11 @@ def test_a_request_whose_images_fail_ends_alone_and_the_others_prefill_together(
             raise RuntimeError("injected vision failure")
         return original(inputs, position_rule)
 
-    def prefill(prompts, batch_prefill=engine._batch.prefill):
-        forwards.append(len(prompts))
-        return batch_prefill(prompts)
+    def extend(rows, pieces, batch_extend=engine._batch.extend):
+        forwards.append(len(pieces))
+        return batch_extend(rows, pieces)
 
-    target.row_prompt, engine._batch.prefill = row_prompt, prefill
+    target.row_prompt, engine._batch.extend = row_prompt, extend
     try:
         results = engine.generate_many(requests)
     finally:

@@ -53,7 +53,7 @@ import torch
 from vlmspec.drafters.base import Proposer
 from vlmspec.loading import load_proposer, load_target
 from vlmspec.scheduling.base import Scheduler
-from vlmspec.serving.admission import DEFAULT_MAX_PREFILL_TOKENS, admission_count
+from vlmspec.serving.admission import DEFAULT_MAX_PREFILL_TOKENS, chunk_sizes
 from vlmspec.serving.memory import blocks_needed, kv_budget_bytes
 from vlmspec.serving.requests import (
     GeneratorStates,
@@ -94,6 +94,15 @@ class _Entry:
     inputs: TargetInputs | None
     added_s: float  # perf_counter() at add_request
     prompt_tokens: int  # the prompt's length in tokens (vision tokens included)
+    prompt: RowPrompt | None = None  # while its row prefills: the whole prompt (images through the tower)
+    prefilled: int = 0  # prompt tokens in its row so far (cached ones included)
+    cached_tokens: int = 0  # prompt tokens its row found in the prefix cache
+    prefill_s: float = 0.0  # its vision tower's seconds and those of every prefill forward it took part in
+
+    @property
+    def prefilling(self) -> bool:
+        """It holds a row whose prompt is not all in the KV yet (it decodes once it is)."""
+        return self.prompt is not None
 
 
 class BatchEngine:
@@ -125,6 +134,7 @@ class BatchEngine:
         speculate_up_to: int | None = None,
         max_prefill_tokens: int | None = DEFAULT_MAX_PREFILL_TOKENS,
         kv_cache_memory: int | float | None = None,
+        prefix_caching: bool = True,
     ) -> None:
         check_positive("max_batch_size", max_batch_size)
         for name, value in (("speculate_up_to", speculate_up_to), ("max_prefill_tokens", max_prefill_tokens)):
@@ -138,7 +148,10 @@ class BatchEngine:
         self.speculate_up_to = speculate_up_to
         self.max_prefill_tokens = max_prefill_tokens  # prompt tokens a step prefills while others decode
         self._batch = RaggedBatch(
-            target, feature_layers=self.decoder.proposer.feature_layers, kv_cache_bytes=kv_budget_bytes(kv_cache_memory)
+            target,
+            feature_layers=self.decoder.proposer.feature_layers,
+            kv_cache_bytes=kv_budget_bytes(kv_cache_memory),
+            prefix_caching=prefix_caching,
         )
         self._waiting: deque[_Entry] = deque()
         self._running: list[_Entry] = []  # _running[row] holds the request in ragged row `row`
@@ -156,6 +169,7 @@ class BatchEngine:
         speculate_up_to: int | None = None,
         max_prefill_tokens: int | None = DEFAULT_MAX_PREFILL_TOKENS,
         kv_cache_memory: int | float | None = None,
+        prefix_caching: bool = True,
         dtype: str | torch.dtype = "float32",
         attn_implementation: str = "sdpa",
         device: str | torch.device = "cpu",
@@ -177,6 +191,7 @@ class BatchEngine:
             speculate_up_to=speculate_up_to,
             max_prefill_tokens=max_prefill_tokens,
             kv_cache_memory=kv_cache_memory,
+            prefix_caching=prefix_caching,
         )
 
     @property
@@ -299,44 +314,73 @@ class BatchEngine:
         return self.admit() + self.decode()
 
     def admit(self, limit: int | None = None) -> list[StepOutput]:
-        """Prefill up to ``limit`` waiting requests (default: as many as fit); their first tokens.
+        """Prefill the next pieces of the prompts in the batch and of up to ``limit`` waiting requests; first tokens.
 
-        While requests are running, the prompts admitted at once stay within
-        ``max_prefill_tokens`` (at least one is admitted): see :mod:`vlmspec.serving.admission`.
-
-        Their images go through the vision tower one request at a time, then all their
-        prompts share one packed forward of the runner. Requests start (draw their first
-        token, open their drafter state) in the order they were added.
+        While requests decode, one call prefills at most ``max_prefill_tokens`` prompt tokens
+        (chunked prefill): prompts are taken in order, a long one in chunks over several
+        calls, so the decoding requests never wait for a whole long prompt. With nothing
+        decoding there is nothing to stall, and every prompt that fits runs whole. A waiting
+        request joins (takes a row) when the batch has room, its KV fits the budget and
+        some of this call's tokens are left for it; its prompt starts from whatever the prefix
+        cache holds of it. All pieces of a call share one packed forward of the runner.
+        Returns a :class:`StepOutput` for each request whose prompt is complete now (its
+        first token) or whose prefill failed.
         """
-        count = admission_count(
-            [entry.prompt_tokens for entry in self._waiting],
-            room=self.max_batch_size - len(self._running),
-            limit=limit,
-            max_prefill_tokens=self.max_prefill_tokens,
-            running=len(self._running),
-        )
-        count = self._fitting(count)
-        entries = [self._waiting.popleft() for _ in range(count)]
-        prefilled = self._prefill(entries)
-        for entry in entries:
-            if entry.request_id in prefilled:
-                prompt_step, rope_delta, seconds = prefilled[entry.request_id]
-                start_request(self.target, self.decoder, entry.request, entry.inputs, prompt_step, seconds, rope_delta)
-            entry.inputs = None  # the processor outputs (pixels) are not needed any more
-        outputs = [StepOutput(e.request_id, list(e.request.tokens), e.request.finish_reason, None) for e in entries]
+        budget = None if not any(not e.prefilling for e in self._running) else self.max_prefill_tokens
+        chunks = self._next_chunks(budget)
+        left = None if budget is None else budget - sum(chunks.values())
+        outputs = self._join_waiting(limit, left, chunks)
+        outputs += self._prefill(chunks)
         self._retire()  # a request can end with its first token
+        return outputs
+
+    def _next_chunks(self, budget: int | None) -> dict[int, int]:
+        """Tokens the next piece of each prefilling row takes (rows in order; ``budget`` None: all that is left)."""
+        remaining = [(row, e.prompt.length - e.prefilled) for row, e in enumerate(self._running) if e.prefilling]
+        return dict(zip((row for row, _ in remaining), chunk_sizes([n for _, n in remaining], budget), strict=True))
+
+    def _join_waiting(self, limit: int | None, left: int | None, chunks: dict[int, int]) -> list[StepOutput]:
+        """Give waiting requests rows while they fit (rows, KV budget, ``left`` tokens); their first chunks join
+        ``chunks``. A request whose images fail ends here: its output is returned."""
+        outputs = []
+        room = min(self.max_batch_size - len(self._running), len(self._waiting))
+        count = self._fitting(room if limit is None else min(room, limit))
+        for _ in range(count):
+            if left is not None and left <= 0:
+                break
+            entry = self._waiting.popleft()
+            try:
+                entry.prompt, vision_s = prepare_prompt(self.target, self.decoder, entry.request, entry.inputs)
+            except Exception as err:  # noqa: BLE001 - only this request's images failed
+                entry.request.finish("error", err)
+                self._store(entry)
+                outputs.append(StepOutput(entry.request_id, [], "error", None))
+                continue
+            (start,) = self._batch.open([entry.prompt])
+            entry.prefilled = entry.cached_tokens = start
+            entry.prefill_s = vision_s
+            self._running.append(entry)
+            chunk = entry.prompt.length - start if left is None else min(entry.prompt.length - start, left)
+            chunks[len(self._running) - 1] = chunk
+            left = None if left is None else left - chunk
         return outputs
 
     @property
     def kv_cache(self) -> dict[str, int | None]:
-        """The KV pool now: blocks in use, blocks it holds, its bound (None: none), block size and bytes per block."""
+        """The KV pool now: blocks in use, blocks it holds, its bound (None: none), block size, bytes per block,
+        and the prefix cache's blocks (idle ones: kept for hits, no request holds them) and token counters."""
         pool = self._batch.pool
+        prefix = self._batch.prefix_cache or {}
         return {
             "blocks_used": pool.num_used,
             "blocks_allocated": pool.num_blocks,
             "blocks_limit": pool.max_blocks,
             "block_size": pool.block_size,
             "bytes_per_block": pool.bytes_per_block(),
+            "prefix_blocks": prefix.get("blocks", 0),
+            "prefix_idle_blocks": prefix.get("idle_blocks", 0),
+            "prefix_queried_tokens": prefix.get("queried_tokens", 0),
+            "prefix_hit_tokens": prefix.get("hit_tokens", 0),
         }
 
     def _blocks_needed(self, entry: _Entry) -> int:
@@ -376,43 +420,53 @@ class BatchEngine:
         admitted = self.admit(limit=1)
         return admitted[0] if admitted else None
 
-    def _prefill(self, entries: list[_Entry]) -> dict[str, tuple[TargetStep, int, float]]:
-        """Prompts in one runner forward (new rows, joined to ``_running`` in order): each one's step, rope_delta, time.
-
-        A request's prefill time is its own vision tower's plus the shared forward's. A prompt
-        whose images fail ends its request; if the shared forward fails, each prompt runs
-        alone, so a failure stays with its request.
-        """
-        prompts: dict[str, tuple[RowPrompt, float]] = {}  # each request's prompt and its vision tower's seconds
-        for entry in entries:
-            try:
-                prompts[entry.request_id] = prepare_prompt(self.target, self.decoder, entry.request, entry.inputs)
-            except Exception as err:  # noqa: BLE001 - only this request's images failed
-                entry.request.finish("error", err)
-                self._store(entry)
-        entries = [entry for entry in entries if entry.request_id in prompts]
-        if not entries:
-            return {}
+    def _prefill(self, chunks: dict[int, int]) -> list[StepOutput]:
+        """The next ``chunks[row]`` prompt tokens of each such row, in one runner forward; first tokens of the
+        prompts now complete. If the shared forward fails, each row runs alone, so a failure stays with its request."""
+        chunks = {row: n for row, n in chunks.items() if n > 0}
+        if not chunks:
+            return []
+        outputs = []
         try:
-            return self._prefill_rows(entries, prompts)
-        except Exception:  # noqa: BLE001 - the shared forward failed (no row was added): find whose prompt it was
-            prefilled = {}
-            for entry in entries:
+            steps = self._prefill_rows(list(chunks), chunks)
+        except Exception:  # noqa: BLE001 - the shared forward failed (no row grew): find whose piece it was
+            steps = {}
+            for row in chunks:
                 try:
-                    prefilled |= self._prefill_rows([entry], prompts)
+                    steps |= self._prefill_rows([row], chunks)
                 except Exception as err:  # noqa: BLE001 - only this request's own prefill failed
+                    entry = self._running[row]
                     entry.request.finish("error", err)
-                    self._store(entry)
-            return prefilled
+                    outputs.append(StepOutput(entry.request_id, [], "error", None))
+        for row, step in steps.items():
+            entry = self._running[row]
+            if entry.prefilled == entry.prompt.length:
+                self._start(row, entry, step)
+                outputs.append(
+                    StepOutput(entry.request_id, list(entry.request.tokens), entry.request.finish_reason, None)
+                )
+        return outputs
 
-    def _prefill_rows(self, entries: list[_Entry], prompts: dict) -> dict[str, tuple[TargetStep, int, float]]:
-        rows = [prompts[entry.request_id] for entry in entries]  # (RowPrompt, vision seconds)
+    def _prefill_rows(self, rows: list[int], chunks: dict[int, int]) -> dict[int, TargetStep]:
+        """One forward over the next piece of each row's prompt; each row's step (logits at its piece's end)."""
+        entries = [self._running[row] for row in rows]
+        pieces = [e.prompt.piece(e.prefilled, e.prefilled + chunks[row]) for row, e in zip(rows, entries, strict=True)]
         tick = time.perf_counter()
-        steps = self._batch.prefill([prompt for prompt, _ in rows])
+        steps = self._batch.extend(rows, pieces)
         seconds = time.perf_counter() - tick  # every request of the forward waited for all of it
-        self._running += entries
-        prefilled = zip(entries, rows, steps, strict=True)
-        return {entry.request_id: (step, p.rope_delta, own + seconds) for entry, (p, own), step in prefilled}
+        for entry, piece in zip(entries, pieces, strict=True):
+            entry.prefilled += piece.length
+            entry.prefill_s += seconds
+        return dict(zip(rows, steps, strict=True))
+
+    def _start(self, row: int, entry: _Entry, last: TargetStep) -> None:
+        """The request's prompt is all in its row: draw its first token and open its drafter state."""
+        prompt, entry.prompt = entry.prompt, None
+        step = TargetStep(
+            logits=last.logits, features=self._batch.features_of(row, prompt.length), positions=prompt.positions_1d()
+        )
+        start_request(self.target, self.decoder, entry.request, entry.inputs, step, entry.prefill_s, prompt.rope_delta)
+        entry.inputs = None  # the processor outputs (pixels) are not needed any more
 
     def decode(self) -> list[StepOutput]:
         """One speculative step for every running request (none: nothing); if it fails, once for each request alone.
@@ -420,10 +474,10 @@ class BatchEngine:
         The compute phase (:meth:`_verify`) may be rerun request by request; the commit
         phase (:meth:`_commit`) runs once for each request that got through it.
         """
-        if not self._running:
+        rows = [row for row, entry in enumerate(self._running) if not entry.prefilling]  # rows prefilling sit out
+        if not rows:
             return []
-        rows = list(range(len(self._running)))
-        requests = [entry.request for entry in self._running]
+        requests = [self._running[row].request for row in rows]
         undrafted = GeneratorStates(requests)
         tick = time.perf_counter()
         try:
@@ -453,12 +507,12 @@ class BatchEngine:
         the request would have drawn had the attempt never run.
         """
         outputs, failed = [], 0
-        for row in rows:
+        for i, row in enumerate(rows):  # i: the request's index in the step (its drafts, its generator state)
             entry = self._running[row]
-            generators.restore(row)
+            generators.restore(i)
             try:
                 tick = time.perf_counter()
-                own = drafts.select([row]) if drafts is not None else self.decoder.propose([entry.request])
+                own = drafts.select([i]) if drafts is not None else self.decoder.propose([entry.request])
                 verified = self._verify([row], own, time.perf_counter() - tick)
             except Exception as err:  # noqa: BLE001
                 entry.request.finish("error", err)
@@ -544,7 +598,13 @@ class BatchEngine:
         request.stats.total_s = time.perf_counter() - entry.added_s
         text = self.target.tokenizer.decode(request.tokens, skip_special_tokens=True)
         self._results[entry.request_id] = GenerationResult(
-            text, list(request.tokens), request.stats, request.finish_reason, request.error, entry.prompt_tokens
+            text,
+            list(request.tokens),
+            request.stats,
+            request.finish_reason,
+            request.error,
+            entry.prompt_tokens,
+            entry.cached_tokens,
         )
 
     def _known(self, request_id: str) -> bool:

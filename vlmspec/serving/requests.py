@@ -115,11 +115,12 @@ class GeneratorStates:
 
     def __init__(self, requests: Sequence[SpecRequest]) -> None:
         self._generators = [r.generator for r in requests]
-        self._states = [None if r.params.greedy else r.generator.get_state() for r in requests]  # by row
+        self._states = [None if r.params.greedy else r.generator.get_state() for r in requests]
 
-    def restore(self, row: int) -> None:
-        if self._states[row] is not None:
-            self._generators[row].set_state(self._states[row])
+    def restore(self, index: int) -> None:
+        """Put request ``requests[index]``'s generator back where it was."""
+        if self._states[index] is not None:
+            self._generators[index].set_state(self._states[index])
 
 
 def check_positive(name: str, value: object) -> None:

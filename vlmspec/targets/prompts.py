@@ -16,13 +16,14 @@ without, in one packed forward of the fast runner. What it needs from a prompt i
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from vlmspec.targets.families import FamilySpec, VisionCache, image_embeddings
+from vlmspec.targets.families import FamilySpec, VisionCache, image_embeddings, image_key
 from vlmspec.targets.inputs import TargetInputs
 from vlmspec.targets.positions import check_position_rule, text_stream_positions
 
@@ -34,6 +35,20 @@ class VisionEmbeds:
     index: torch.Tensor  # [n] int64 where the placeholder tokens sit (in the prompt, or in a packed forward)
     embeds: torch.Tensor  # [n, d] the vision tower's embedding of each, in order
     deepstack: tuple[torch.Tensor, ...] = ()  # Qwen3-VL: one [n, d] added after decoder layer 0, 1, ...; else ()
+    image_keys: tuple[bytes, ...] = ()  # [n] the content digest of each placeholder's image (prefix-cache keys)
+
+    def within(self, start: int, end: int) -> VisionEmbeds | None:
+        """The placeholders at prompt indexes ``start .. end - 1``, indexed from ``start`` (None if there are none)."""
+        keep = (self.index >= start) & (self.index < end)  # [n]; the index is sorted, so this is one run
+        if not bool(keep.any()):
+            return None
+        first, last = (int(i) for i in torch.nonzero(keep).flatten()[[0, -1]])
+        return VisionEmbeds(
+            index=self.index[first : last + 1] - start,
+            embeds=self.embeds[first : last + 1],
+            deepstack=tuple(layer[first : last + 1] for layer in self.deepstack),
+            image_keys=self.image_keys[first : last + 1],
+        )
 
 
 @dataclass
@@ -44,19 +59,42 @@ class RowPrompt:
     mrope: torch.Tensor | None = None  # [3, L] int64 M-RoPE positions; None: text, position i in all three
     rope_delta: int = 0  # M-RoPE position minus cache index for every token after the prompt
     vision: VisionEmbeds | None = None  # the image placeholders' embeddings (index into ids), or None
-    text_positions: torch.Tensor | None = field(default=None)  # [L] int64 the drafter's positions; None: 0..L-1
+    text_positions: torch.Tensor | None = field(default=None)  # [L] int64 the drafter's positions; None: the cache's
+    start: int = 0  # the cache index of the first token: > 0 for a piece of a longer prompt (:meth:`piece`)
 
     @property
     def length(self) -> int:
         return self.ids.shape[0]
 
+    @property
+    def end(self) -> int:
+        """The cache index after the last token."""
+        return self.start + self.length
+
     def positions_3d(self) -> torch.Tensor:  # [3, L] int64 (CPU)
         if self.mrope is not None:
             return self.mrope.cpu()
-        return torch.arange(self.length).expand(3, -1)
+        return torch.arange(self.start, self.end).expand(3, -1)
 
     def positions_1d(self) -> torch.Tensor:  # [L] int64 (CPU)
-        return torch.arange(self.length) if self.text_positions is None else self.text_positions.cpu()
+        return torch.arange(self.start, self.end) if self.text_positions is None else self.text_positions.cpu()
+
+    def piece(self, start: int, end: int | None = None) -> RowPrompt:
+        """Tokens ``start .. end - 1`` of this prompt, with their positions and images: a prefix cache hit's
+        suffix, or one chunk of a chunked prefill. Pieces run in order fill a row as the whole prompt does."""
+        end = self.length if end is None else end
+        if not 0 <= start < end <= self.length:
+            raise ValueError(
+                f"a piece must be a non-empty part of the prompt's {self.length} tokens, got {start}:{end}"
+            )
+        return RowPrompt(
+            ids=self.ids[start:end],
+            mrope=None if self.mrope is None else self.mrope[:, start:end],
+            rope_delta=self.rope_delta,
+            vision=None if self.vision is None else self.vision.within(start, end),
+            text_positions=None if self.text_positions is None else self.text_positions[start:end],
+            start=self.start + start,
+        )
 
 
 def as_row_prompt(prompt: RowPrompt | torch.Tensor) -> RowPrompt:
@@ -83,6 +121,7 @@ def pack_vision(prompts: Sequence[RowPrompt]) -> VisionEmbeds | None:
         index=torch.cat(index),
         embeds=torch.cat(embeds),
         deepstack=tuple(torch.cat(per_layer) for per_layer in zip(*deepstack)),
+        image_keys=tuple(itertools.chain.from_iterable(p.vision.image_keys for p in prompts if p.vision is not None)),
     )
 
 
@@ -165,10 +204,29 @@ def row_prompt(
     else:
         embeds, deepstack = vision_cache.embeddings(model, spec, pixels, grid)
     assert embeds.shape[0] == expected, (embeds.shape, expected)
+    tokens_per_image = (grid.prod(-1) // model.model.visual.spatial_merge_size**2).tolist()
+    keys = tuple(
+        itertools.chain.from_iterable(
+            itertools.repeat(key, count) for key, count in zip(image_keys(pixels, grid), tokens_per_image, strict=True)
+        )
+    )
     return RowPrompt(
         ids=ids.cpu(),
         mrope=mrope[:, 0].cpu(),
         rope_delta=rope_delta,
-        vision=VisionEmbeds(index=index.cpu(), embeds=embeds, deepstack=deepstack),
+        vision=VisionEmbeds(index=index.cpu(), embeds=embeds, deepstack=deepstack, image_keys=keys),
         text_positions=drafter_positions(model, inputs, mrope, position_rule),
     )
+
+
+def image_keys(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> list[bytes]:
+    """One content digest per image of a prompt: its own patches' bytes and its grid (:func:`image_key`).
+
+    The processor concatenates the images' patches, ``t * h * w`` rows each, in order.
+    """
+    patches = image_grid_thw.prod(-1).tolist()
+    starts = [sum(patches[:i]) for i in range(len(patches))]
+    return [
+        image_key(pixel_values[first : first + count], image_grid_thw[i : i + 1])
+        for i, (first, count) in enumerate(zip(starts, patches, strict=True))
+    ]

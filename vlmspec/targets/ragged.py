@@ -54,6 +54,7 @@ from vlmspec.kernels.cpu_kernels import attention_applies, paged_attention
 from vlmspec.targets.adapter import QwenVLTarget, RequestState, TargetStep
 from vlmspec.targets.families import language_model
 from vlmspec.targets.pool import DEFAULT_BLOCK_SIZE, KVPool, block_bytes
+from vlmspec.targets.prefix_keys import RowContent
 from vlmspec.targets.prompts import RowPrompt, VisionEmbeds, as_row_prompt, pack_vision, text_model_inputs
 
 RAGGED_ATTENTION = "vlmspec_ragged"
@@ -110,9 +111,11 @@ class RaggedBatch:
         initial_capacity: int = 256,
         block_size: int = DEFAULT_BLOCK_SIZE,
         kv_cache_bytes: int | None = None,
+        prefix_caching: bool = False,
     ):
         """``initial_capacity``: token slots the pool starts with (it grows on demand); ``block_size``: slots a
-        block; ``kv_cache_bytes``: the most bytes of KV the pool may hold (None: unbounded; see :class:`KVPool`)."""
+        block; ``kv_cache_bytes``: the most bytes of KV the pool may hold (None: unbounded; see :class:`KVPool`);
+        ``prefix_caching``: rows that start as an earlier row did share its full blocks (see :meth:`open`)."""
         _check_attention(target)
         self.target = target
         self.feature_layers = target.check_feature_layers(feature_layers)
@@ -126,22 +129,38 @@ class RaggedBatch:
             "dtype": target.dtype,
             "block_size": block_size,
         }
+        # The hooked features of every slot's token live beside its KV: a row that starts from cached blocks,
+        # or prefills in chunks, hands its drafter the features of its whole prompt all the same.
+        feature_width = len(self.feature_layers) * config.hidden_size
+        per_block = (
+            block_bytes(**shape) + block_size * feature_width * torch.tensor([], dtype=target.dtype).element_size()
+        )
         max_blocks = None
         if kv_cache_bytes is not None:
-            max_blocks = kv_cache_bytes // block_bytes(**shape)
+            max_blocks = kv_cache_bytes // per_block
             if max_blocks < 1:
                 raise ValueError(
                     f"a KV memory budget of {kv_cache_bytes:,} bytes holds no block of {block_size} tokens "
-                    f"({block_bytes(**shape):,} bytes for this target): raise it"
+                    f"({per_block:,} bytes for this target): raise it"
                 )
         initial_blocks = -(-initial_capacity // block_size)
-        self.pool = KVPool(**shape, device=target.device, initial_blocks=initial_blocks, max_blocks=max_blocks)
+        self.pool = KVPool(
+            **shape,
+            device=target.device,
+            initial_blocks=initial_blocks,
+            max_blocks=max_blocks,
+            feature_width=feature_width,
+            prefix_caching=prefix_caching,
+        )
         self._blocks: list[list[int]] = []  # [R] each row's block ids, in order
         self._tables = torch.zeros(4, 4, dtype=torch.long)  # [R_cap, M_cap]: _blocks as a tensor, row r in row r
+        self._contents: list[RowContent | None] = []  # [R] what each row holds, to key its full blocks (or None)
         self._pending: torch.Tensor | None = None  # [R] tokens of the last verify not yet confirmed
+        self._pending_tokens: torch.Tensor | None = None  # [R, W] the inputs of that verify (CPU)
         # The fast forward's packed weights. Re-checked against the model (a weight changed in place is
         # repacked) whenever a request joins: the check reads every parameter, 0.7 ms on the reference target.
         self._decoder = None
+        self._weights_cached = None  # the packed decoder the prefix cache's blocks were computed with
 
     # ----------------------------------------------------------------- rows
     @property
@@ -163,7 +182,7 @@ class RaggedBatch:
             )
         layers = state.cache.layers
         row = self.num_rows
-        self._open_rows(1)
+        self._open_rows(1)  # its content is not known here: its blocks are never cached
         try:
             self._reserve_slots(torch.tensor([state.length]), first=row)
         except Exception:
@@ -191,10 +210,12 @@ class RaggedBatch:
         self.pool.free(self._blocks[row])
         if row != last:
             self._blocks[row] = self._blocks[last]
+            self._contents[row] = self._contents[last]
             self._tables[row] = self._tables[last]
             self.lengths[row] = self.lengths[last]
             self.rope_deltas[row] = self.rope_deltas[last]
         del self._blocks[last]
+        del self._contents[last]
         self.lengths, self.rope_deltas = self.lengths[:last], self.rope_deltas[:last]
         self._pending = None
         return last if row != last else None
@@ -202,6 +223,33 @@ class RaggedBatch:
     def blocks_of(self, row: int) -> list[int]:
         """The pool blocks row ``row`` holds, in order (its block table)."""
         return list(self._blocks[row])
+
+    def features_of(self, row: int, end: int) -> torch.Tensor | None:  # -> [end, m * d] or None
+        """The hooked features of row ``row``'s first ``end`` tokens, read from beside its KV (None: no layers)."""
+        if self.pool.features is None:
+            return None
+        size = self.pool.block_size
+        blocks = torch.tensor(self._blocks[row][: -(-end // size)], device=self.pool.features.device)
+        return self.pool.features[blocks].flatten(0, 1)[:end]
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached block (done on its own when the fast path sees new weights; call it after changing
+        a model's weights in place under ``decode="reference"``). Rows keep the blocks they hold."""
+        if self.pool.prefix is not None:
+            self.pool.free_idle(self.pool.prefix.clear())
+
+    @property
+    def prefix_cache(self) -> dict[str, int] | None:
+        """The prefix cache's counters: blocks it keeps, idle ones, prompt tokens looked up and hit (None: off)."""
+        index = self.pool.prefix
+        if index is None:
+            return None
+        return {
+            "blocks": len(index),
+            "idle_blocks": len(index.idle),
+            "queried_tokens": index.queried_tokens,
+            "hit_tokens": index.hit_tokens,
+        }
 
     # ------------------------------------------------------------- forwards
     @torch.no_grad()
@@ -221,8 +269,9 @@ class RaggedBatch:
         positions = self.lengths[:, None] + torch.arange(width) + self.rope_deltas[:, None]  # [R, W]
         layout = self._layout(num_tokens, width)
         if layout.rows.numel() == 0:  # nothing to run: every row sits this step out
-            self._pending = num_tokens
+            self._pending, self._pending_tokens = num_tokens, None
             return RaggedStep(torch.zeros(self.num_rows, width, self.target.vocab_size), None, positions)
+        self._pending_tokens = tokens.cpu() if self.pool.prefix is not None else None
         packed_logits, packed_features = self._forward(tokens, positions, num_tokens, layout)
         if layout.rows.shape[0] < self.num_rows * width:  # some rows verify fewer tokens: pad them
             gather = _padding_gather(layout, self.target.device)  # [R * W] packed index of each padded slot
@@ -242,49 +291,104 @@ class RaggedBatch:
         M-RoPE components, rope_delta 0). Rows are appended in order. Returns, per prompt,
         the prediction after its last token (logits [1, V] float32), the hooked features of
         all its tokens ([L_i, m * d], or None) and their 1-D text-stream positions ([L_i]).
+        With prefix caching, a prompt's cached blocks are not computed again (:meth:`open`).
         If the forward fails, no row is added.
         """
         if not prompts:
             return []
         prompts = [as_row_prompt(p) for p in prompts]
-        lengths = torch.tensor([p.length for p in prompts])  # [P]
-        if bool((lengths < 1).any()):
-            raise ValueError("prefill() takes prompts of at least one token")
         first = self.num_rows
-        width = int(lengths.max())
-        deltas = torch.tensor([p.rope_delta for p in prompts], dtype=torch.long)  # [P]
-        self._open_rows(len(prompts))
-        self.rope_deltas[first:] = deltas
-        self._decoder = None  # a request joins: the packed weights are re-checked once, as in add()
-        tokens = torch.zeros(self.num_rows, width, dtype=torch.long)  # [R, W]: only the new rows have inputs
-        num_tokens = torch.zeros(self.num_rows, dtype=torch.long)  # [R]
-        for i, prompt in enumerate(prompts):
-            tokens[first + i, : prompt.length] = prompt.ids.cpu()
-        num_tokens[first:] = lengths
-        vision = pack_vision(prompts)
-        # With images the positions are M-RoPE's [3, B] (packed order: the new rows' tokens, row after row);
-        # text alone keeps the 1-D path: position i in all three components.
-        three_d = any(p.mrope is not None for p in prompts)
-        mrope = torch.cat([p.positions_3d() for p in prompts], dim=1) if three_d else None
+        starts = self.open(prompts)
+        rows = list(range(first, self.num_rows))
         try:
-            num_tokens = self._check_inputs(tokens, num_tokens)
-            layout = self._layout(num_tokens, width)
-            ends = torch.cumsum(lengths, 0)
-            positions = self.lengths[:, None] + torch.arange(width)  # [R, W]: text prompts start at 0
-            logits, features = self._forward(tokens, positions, num_tokens, layout, ends - 1, mrope, vision)
+            steps = self.extend(rows, [p.piece(start) for p, start in zip(prompts, starts, strict=True)])
         except Exception:
             self._close_rows(first)
             raise
+        return [
+            TargetStep(logits=step.logits, features=self.features_of(row, p.length), positions=p.positions_1d())
+            for row, p, step in zip(rows, prompts, steps, strict=True)
+        ]
+
+    def open(self, prompts: Sequence[RowPrompt | torch.Tensor]) -> list[int]:
+        """New last rows for whole prompts, each holding what the prefix cache has of its prompt; how much each has.
+
+        Row i starts with the cached blocks of the longest run of its prompt's full blocks
+        that an earlier row committed (same tokens, positions and images: see
+        :mod:`vlmspec.targets.prefix_keys`), shared with any row that holds them, and its
+        length is what they hold: fill the rest with :meth:`extend` (``prompt.piece(start)``).
+        At least the last token is always left to compute (its logits start the request).
+        Without prefix caching every row starts empty (0). Nothing runs here.
+        """
+        prompts = [as_row_prompt(p) for p in prompts]
+        if any(p.length < 1 or p.start != 0 for p in prompts):
+            raise ValueError("open() takes whole prompts of at least one token")
+        first = self.num_rows
+        self._open_rows(len(prompts))
+        size, index = self.pool.block_size, self.pool.prefix
+        starts = []
+        for row, prompt in enumerate(prompts, start=first):
+            self.rope_deltas[row] = prompt.rope_delta
+            if index is None:
+                starts.append(0)
+                continue
+            content = self._contents[row] = RowContent(prompt, size)
+            hits = index.match(content.keys_within(prompt.length - 1), size, prompt.length)
+            self.pool.share(hits)
+            self._blocks[row] = list(hits)
+            self._ensure_table_width(len(hits))
+            self._tables[row, : len(hits)] = torch.tensor(hits, dtype=torch.long)
+            content.cached_blocks = len(hits)
+            self.lengths[row] = len(hits) * size
+            starts.append(len(hits) * size)
+        self._pending = None
+        self._decoder = None  # a request joins: the packed weights are re-checked once, as in add()
+        return starts
+
+    @torch.no_grad()
+    def extend(self, rows: Sequence[int], pieces: Sequence[RowPrompt]) -> list[TargetStep]:
+        """Run prompt pieces after their rows' committed tokens, in one packed forward: a chunk, or a hit's suffix.
+
+        Piece i continues row ``rows[i]``, whose length must be ``pieces[i].start``
+        (:meth:`RowPrompt.piece`). Every other row sits this forward out. Returns, per piece,
+        the prediction after its last token (logits [1, V] float32), the hooked features of
+        its tokens ([n_i, m * d], or None) and their 1-D positions ([n_i]). If the forward
+        fails, no row's length changes (it wrote only past them).
+        """
+        if len(rows) != len(pieces) or len(set(rows)) != len(rows):
+            raise ValueError("extend() takes one piece for each of distinct rows")
+        for row, piece in zip(rows, pieces, strict=True):
+            if not 0 <= row < self.num_rows or int(self.lengths[row]) != piece.start:
+                raise ValueError(f"row {row} holds {int(self.lengths[row])} tokens, the piece starts at {piece.start}")
+        order = sorted(range(len(rows)), key=lambda i: rows[i])  # the packed forward takes rows in order
+        ordered = [pieces[i] for i in order]
+        width = max(p.length for p in pieces)
+        tokens = torch.zeros(self.num_rows, width, dtype=torch.long)  # [R, W]: only these rows have inputs
+        num_tokens = torch.zeros(self.num_rows, dtype=torch.long)  # [R]
+        for i in order:
+            tokens[rows[i], : pieces[i].length] = pieces[i].ids.cpu()
+            num_tokens[rows[i]] = pieces[i].length
+        num_tokens = self._check_inputs(tokens, num_tokens)
+        # With images the positions are M-RoPE's [3, B] (packed order: row after row); text alone keeps the 1-D
+        # path: cache index i in all three components.
+        three_d = any(p.mrope is not None for p in ordered)
+        mrope = torch.cat([p.positions_3d() for p in ordered], dim=1) if three_d else None
+        layout = self._layout(num_tokens, width)
+        ends = torch.cumsum(torch.tensor([p.length for p in ordered]), 0)  # [P] packed end of each piece
+        positions = self.lengths[:, None] + torch.arange(width)  # [R, W]: a text piece continues its row
+        logits, features = self._forward(tokens, positions, num_tokens, layout, ends - 1, mrope, pack_vision(ordered))
         self.lengths = self.lengths + num_tokens
         self._pending = None
-        return [
-            TargetStep(
-                logits=logits[i : i + 1],
-                features=None if features is None else features[int(end - prompt.length) : int(end)],
-                positions=prompt.positions_1d(),
+        self._cache_full_blocks([rows[i] for i in order])
+        steps = [None] * len(pieces)
+        for k, i in enumerate(order):
+            span = slice(int(ends[k] - ordered[k].length), int(ends[k]))
+            steps[i] = TargetStep(
+                logits=logits[k : k + 1],
+                features=None if features is None else features[span],
+                positions=ordered[k].positions_1d(),
             )
-            for i, (prompt, end) in enumerate(zip(prompts, ends, strict=True))
-        ]
+        return steps
 
     def advance(self, keep: torch.Tensor | Sequence[int]) -> None:  # keep: [R] int64
         """Keep the first ``keep[r]`` inputs of row r's last verify ([R] int64); the rest are rolled back."""
@@ -297,6 +401,12 @@ class RaggedBatch:
             )
         self.lengths = self.lengths + keep
         self._pending = None
+        if self.pool.prefix is not None and self._pending_tokens is not None:
+            for row in torch.nonzero(keep).flatten().tolist():
+                if self._contents[row] is not None:
+                    self._contents[row].extend(self._pending_tokens[row, : int(keep[row])].tolist())
+            self._cache_full_blocks(range(self.num_rows))
+        self._pending_tokens = None
 
     # ------------------------------------------------------------ internals
     def _forward(self, tokens, positions, num_tokens, layout: _Layout, logits_at=None, mrope=None, vision=None):
@@ -311,13 +421,20 @@ class RaggedBatch:
             packed_positions = mrope.to(device)  # [3, B]
         forward = self._fast_forward if self.target.decode == "fast" else self._reference_forward
         logits_at = None if logits_at is None else logits_at.to(device)
-        return forward(packed_ids, packed_positions, layout, logits_at, vision)
+        logits, features = forward(packed_ids, packed_positions, layout, logits_at, vision)
+        if self.pool.features is not None and features is not None:  # the drafter's context, kept beside the KV
+            blocks, offsets = layout.blocks.to(device), layout.block_offsets.to(device)
+            self.pool.features[blocks, offsets] = features.to(self.pool.features.dtype)
+        return logits, features
 
     def _fast_forward(self, ids: torch.Tensor, positions: torch.Tensor, layout: _Layout, logits_at=None, vision=None):
         """vlmspec's packed decoder (fused linears): logits [B, V] float32, features [B, m * d] or None."""
         cache = _RaggedCache(self.pool, layout)
         if self._decoder is None:  # checked against the model's weights once per request joining, not per step
             self._decoder = self.target.packed_decoder()
+            if self._decoder is not self._weights_cached:  # new weights: KV computed with the old ones is stale
+                self.clear_prefix_cache()
+                self._weights_cached = self._decoder
         decoder = self._decoder
         if attention_applies(self.pool.keys[0], decoder.head_dim):
             tables, rows, visible = cache.tables, cache.rows, cache.slots + 1  # [R, M], [B], [B] on the pool's device
@@ -399,6 +516,7 @@ class RaggedBatch:
         self.lengths = torch.cat((self.lengths, torch.zeros(count, dtype=torch.long)))
         self.rope_deltas = torch.cat((self.rope_deltas, torch.zeros(count, dtype=torch.long)))
         self._blocks.extend([] for _ in range(count))
+        self._contents.extend(None for _ in range(count))
         if self.num_rows > self._tables.shape[0]:
             self._tables = _grown(self._tables, rows=max(self.num_rows, 2 * self._tables.shape[0]))
 
@@ -407,6 +525,7 @@ class RaggedBatch:
         for blocks in self._blocks[first:]:
             self.pool.free(blocks)
         del self._blocks[first:]
+        del self._contents[first:]
         self.lengths, self.rope_deltas = self.lengths[:first], self.rope_deltas[:first]
 
     def _reserve_slots(self, slots: torch.Tensor, first: int = 0) -> None:  # slots: [R - first] int64
@@ -417,15 +536,34 @@ class RaggedBatch:
         if total == 0:
             return
         fresh = self.pool.allocate(total)  # all or none: a full pool leaves every row as it was
-        widest = max(len(self._blocks[first + i]) + max(0, n) for i, n in enumerate(needed))
-        if widest > self._tables.shape[1]:
-            self._tables = _grown(self._tables, width=max(widest, 2 * self._tables.shape[1]))
+        self._ensure_table_width(max(len(self._blocks[first + i]) + max(0, n) for i, n in enumerate(needed)))
         for i, n in enumerate(needed):
             if n > 0:
                 row, have = first + i, len(self._blocks[first + i])
                 taken, fresh = fresh[:n], fresh[n:]
                 self._blocks[row].extend(taken)
                 self._tables[row, have : have + n] = torch.tensor(taken)
+
+    def _ensure_table_width(self, blocks: int) -> None:
+        """Make the block tables hold ``blocks`` entries a row."""
+        if blocks > self._tables.shape[1]:
+            self._tables = _grown(self._tables, width=max(blocks, 2 * self._tables.shape[1]))
+
+    def _cache_full_blocks(self, rows: Sequence[int]) -> None:
+        """Give the prefix index the rows' blocks that filled up: their slots are committed, never written again."""
+        if self.pool.prefix is None:
+            return
+        size = self.pool.block_size
+        for row in rows:
+            content = self._contents[row]
+            if content is None:
+                continue
+            full = int(self.lengths[row]) // size
+            if full > content.cached_blocks:
+                keys = content.keys_within(full * size)
+                for block in range(content.cached_blocks, full):
+                    self.pool.prefix.add(keys[block], self._blocks[row][block])
+                content.cached_blocks = full
 
 
 def _grown(tables: torch.Tensor, rows: int | None = None, width: int | None = None) -> torch.Tensor:
