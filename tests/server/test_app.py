@@ -164,9 +164,22 @@ def test_models_health_and_metrics(live, client):
         "vlmspec_num_requests_waiting",
         "vlmspec_kv_cache_blocks_used",
         "vlmspec_kv_cache_usage_ratio",
+        "vlmspec_prefix_cache_hit_rate",
         "vlmspec_time_to_first_token_seconds_count",
     ):
         assert name in text
+
+
+def test_a_repeated_conversation_reports_its_cached_prompt_tokens_and_the_hit_rate(live, client, astronaut):
+    history = user("What is in this picture? Answer in one long sentence, please.", data_url(astronaut))
+    first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0)
+    follow = [*history, {"role": "assistant", "content": first.choices[0].message.content}, *user("And then?")]
+    second = client.chat.completions.create(model=MODEL, messages=follow, max_tokens=6, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < second.usage.prompt_tokens  # whole blocks of the first turn, never the last token
+    text = http(f"{live.url}/metrics")[1]
+    assert metric(text, "vlmspec_prefix_cache_hit_tokens") >= cached
+    assert 0 < metric(text, "vlmspec_prefix_cache_hit_rate") <= 1
 
 
 BAD_REQUESTS = {

@@ -49,8 +49,15 @@ def add_serve(commands) -> None:
         "--max-prefill-tokens",
         type=integer(1),
         default=DEFAULT_MAX_PREFILL_TOKENS,
-        help="prompt tokens one step prefills while requests decode (at least one prompt), so new prompts "
-        f"interleave with decode steps instead of stalling them (default: {DEFAULT_MAX_PREFILL_TOKENS})",
+        help="prompt tokens one step prefills while requests decode: a long prompt runs in chunks of this size "
+        f"between decode steps instead of stalling them (default: {DEFAULT_MAX_PREFILL_TOKENS})",
+    )
+    p.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="compute every prompt in full (default: a prompt that starts as an earlier one did, such as the next "
+        "turn of a chat about the same image or a shared system prompt, reuses its KV blocks)",
     )
     p.add_argument(
         "--kv-cache-memory",
@@ -168,6 +175,7 @@ def _run_serve(args) -> int:
         speculate_up_to=args.speculate_up_to,
         max_prefill_tokens=args.max_prefill_tokens,
         kv_cache_memory=args.kv_cache_memory,
+        prefix_caching=args.prefix_caching,
     )
     name = args.served_model_name or Path(str(args.target)).name
     cap = "always" if args.speculate_up_to is None else f"up to {args.speculate_up_to} running"

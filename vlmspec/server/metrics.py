@@ -58,6 +58,18 @@ class ServerMetrics:
         )
         self.kv_bytes_used = Gauge("vlmspec_kv_cache_bytes_used", "Bytes of KV held by requests", registry=r)
         self.kv_usage = Gauge("vlmspec_kv_cache_usage_ratio", "KV blocks in use over the budget's blocks", registry=r)
+        self.prefix_blocks = Gauge(
+            "vlmspec_prefix_cache_blocks", "KV blocks the prefix cache keeps (held by requests or idle)", registry=r
+        )
+        self.prefix_queried = Gauge(
+            "vlmspec_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hits = Gauge(
+            "vlmspec_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache", registry=r
+        )
+        self.prefix_hit_rate = Gauge(
+            "vlmspec_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache over those looked up", registry=r
+        )
         self.ttft = Histogram(
             "vlmspec_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS, registry=r
         )
@@ -105,6 +117,11 @@ class ServerMetrics:
             if kv_cache["blocks_limit"] is not None:
                 self.kv_blocks_limit.set(kv_cache["blocks_limit"])
                 self.kv_usage.set(kv_cache["blocks_used"] / kv_cache["blocks_limit"])
+            self.prefix_blocks.set(kv_cache["prefix_blocks"])
+            self.prefix_queried.set(kv_cache["prefix_queried_tokens"])
+            self.prefix_hits.set(kv_cache["prefix_hit_tokens"])
+            if kv_cache["prefix_queried_tokens"]:
+                self.prefix_hit_rate.set(kv_cache["prefix_hit_tokens"] / kv_cache["prefix_queried_tokens"])
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

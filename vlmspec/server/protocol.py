@@ -269,12 +269,17 @@ class APIError(Exception):
 
 
 def usage(results: GenerationResult | list[GenerationResult]) -> dict:
-    """OpenAI ``usage``: prompt tokens (vision tokens included, counted once for ``n`` choices) and generated tokens
-    (EOS included, every choice's)."""
+    """OpenAI ``usage``: prompt tokens (vision tokens included, counted once for ``n`` choices; those the prefix
+    cache held in ``prompt_tokens_details.cached_tokens``) and generated tokens (EOS included, every choice's)."""
     results = [results] if isinstance(results, GenerationResult) else results
     prompt = results[0].prompt_tokens
     completion = sum(len(result.token_ids) for result in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": results[0].cached_tokens},  # found in the prefix cache
+    }
 
 
 def speculation(result: GenerationResult, context: int | None = None) -> dict:

@@ -399,8 +399,10 @@ class EngineWorker:
         rest = handle.text.close()  # text held back for a possible stop string that never came
         if rest:
             handle._post(Delta([], rest, time.perf_counter()))
-        handle._post(result)
+        # The place is given back before the answer can go out: a client that sends its next request as soon as
+        # it has this answer must find the place free (both callbacks run on the event loop, in this order).
         self._loop.call_soon_threadsafe(self._finished, handle, result)
+        handle._post(result)
 
 
 def _fail(reply: concurrent.futures.Future, error: BaseException) -> None:
