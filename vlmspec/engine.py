@@ -52,10 +52,19 @@ class SpecEngine:
     >>> result.text, result.stats.tau
     """
 
-    def __init__(self, target: QwenVLTarget, proposer: Proposer | None = None, scheduler: Scheduler | None = None):
+    def __init__(
+        self,
+        target: QwenVLTarget,
+        proposer: Proposer | None = None,
+        scheduler: Scheduler | None = None,
+        *,
+        prefix_caching: bool = True,
+    ):
+        """``prefix_caching``: a prompt that starts as an earlier one did (the next turn of a chat about the same
+        image) reuses that prompt's KV and drafter context instead of computing them again."""
         self.target = target
         # One host, so one owner of the target's KV; speculative=False is a request option it honours.
-        self._host = BatchEngine(target, proposer, scheduler, max_batch_size=1)
+        self._host = BatchEngine(target, proposer, scheduler, max_batch_size=1, prefix_caching=prefix_caching)
         self._outputs = _Outputs(self._host)
 
     @property
@@ -81,6 +90,7 @@ class SpecEngine:
         attn_implementation: str = "sdpa",
         device: str | torch.device = "cpu",
         decode: str = "fast",
+        prefix_caching: bool = True,
     ) -> SpecEngine:
         """Load a target from a local directory (or ``tiny:FAMILY``) and attach a drafter.
 
@@ -93,7 +103,7 @@ class SpecEngine:
         target = load_target(
             target_dir, dtype=dtype, attn_implementation=attn_implementation, device=device, decode=decode
         )
-        return cls(target, load_proposer(drafter, target), scheduler)
+        return cls(target, load_proposer(drafter, target), scheduler, prefix_caching=prefix_caching)
 
     # ------------------------------------------------------------------ public
     def generate(
