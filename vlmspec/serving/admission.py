@@ -12,24 +12,53 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-# Prompt tokens one step may prefill while other requests decode. On the 2-core CPU of this
-# project a text prefill runs at about 900 tokens/s, so a running request's next token waits
-# about 0.3 s for a chunk (plus its own step); late in a long prompt a chunk's attention over
-# the tokens before it adds to that (see docs/design.md).
+# Prompt tokens one step may prefill while other requests decode (at the start of a prompt; later
+# chunks are smaller, see chunk_cost). On the 2-core CPU of this project a text prefill runs at
+# about 900 tokens/s, so a running request's next token waits about 0.3 s for a chunk (plus its
+# own step).
 DEFAULT_MAX_PREFILL_TOKENS = 256
 
 
-def chunk_sizes(remaining: Sequence[int], budget: int | None) -> list[int]:  # remaining: [P] tokens left each
+def chunk_sizes(
+    remaining: Sequence[int],  # [P] prompt tokens each prefilling request has left, in order
+    budget: int | None,
+    done: Sequence[int] | None = None,  # [P] tokens each already holds (cached or prefilled); None: all 0
+) -> list[int]:
     """How many of its remaining prompt tokens each prefilling request runs this step, in order (a pure function).
 
-    Requests are served first come, first served: each takes what it has left, or what is
-    left of ``budget``; once the budget is spent the rest take 0. ``budget`` None: everything.
+    Requests are served first come, first served, while the budget lasts; ``budget`` None:
+    everything. A chunk of n tokens after ``done`` tokens costs :func:`chunk_cost` of the
+    budget: its tokens, plus its attention over everything before it, so a late chunk of a
+    long prompt is smaller and every chunk takes about the same time.
     """
     if budget is None:
         return list(remaining)
+    done = [0] * len(remaining) if done is None else done
     sizes = []
-    for tokens in remaining:
-        take = max(0, min(tokens, budget))
+    for tokens, before in zip(remaining, done, strict=True):
+        take = largest_chunk(tokens, before, budget)
         sizes.append(take)
-        budget -= take
+        budget -= chunk_cost(take, before)
     return sizes
+
+
+# One prompt token's linear layers (projections, MLP) cost about as much as attending over this many
+# earlier tokens, on the reference target on this project's CPU (see docs/design.md §21.4).
+KEYS_PER_TOKEN_COST = 2048
+
+
+def chunk_cost(tokens: int, before: int) -> float:
+    """The budget a chunk of ``tokens`` after ``before`` prompt tokens takes: tokens, plus their attention in tokens."""
+    return tokens * (1 + (before + tokens / 2) / KEYS_PER_TOKEN_COST)
+
+
+def largest_chunk(tokens: int, before: int, budget: float) -> int:
+    """The most of ``tokens`` whose :func:`chunk_cost` fits ``budget`` (0 when not even one token does)."""
+    low, high = 0, tokens
+    while low < high:  # the cost grows with the chunk: bisect
+        middle = (low + high + 1) // 2
+        if chunk_cost(middle, before) <= budget:
+            low = middle
+        else:
+            high = middle - 1
+    return low

@@ -53,7 +53,7 @@ import torch
 from vlmspec.drafters.base import Proposer
 from vlmspec.loading import load_proposer, load_target
 from vlmspec.scheduling.base import Scheduler
-from vlmspec.serving.admission import DEFAULT_MAX_PREFILL_TOKENS, chunk_sizes
+from vlmspec.serving.admission import DEFAULT_MAX_PREFILL_TOKENS, chunk_cost, chunk_sizes, largest_chunk
 from vlmspec.serving.memory import blocks_needed, kv_budget_bytes
 from vlmspec.serving.requests import (
     GeneratorStates,
@@ -328,7 +328,9 @@ class BatchEngine:
         """
         budget = None if not any(not e.prefilling for e in self._running) else self.max_prefill_tokens
         chunks = self._next_chunks(budget)
-        left = None if budget is None else budget - sum(chunks.values())
+        left = None
+        if budget is not None:
+            left = budget - sum(chunk_cost(n, self._running[row].prefilled) for row, n in chunks.items())
         outputs = self._join_waiting(limit, left, chunks)
         outputs += self._prefill(chunks)
         self._retire()  # a request can end with its first token
@@ -336,8 +338,10 @@ class BatchEngine:
 
     def _next_chunks(self, budget: int | None) -> dict[int, int]:
         """Tokens the next piece of each prefilling row takes (rows in order; ``budget`` None: all that is left)."""
-        remaining = [(row, e.prompt.length - e.prefilled) for row, e in enumerate(self._running) if e.prefilling]
-        return dict(zip((row for row, _ in remaining), chunk_sizes([n for _, n in remaining], budget), strict=True))
+        rows = [row for row, entry in enumerate(self._running) if entry.prefilling]
+        entries = [self._running[row] for row in rows]
+        sizes = chunk_sizes([e.prompt.length - e.prefilled for e in entries], budget, [e.prefilled for e in entries])
+        return dict(zip(rows, sizes, strict=True))
 
     def _join_waiting(self, limit: int | None, left: int | None, chunks: dict[int, int]) -> list[StepOutput]:
         """Give waiting requests rows while they fit (rows, KV budget, ``left`` tokens); their first chunks join
@@ -360,9 +364,11 @@ class BatchEngine:
             entry.prefilled = entry.cached_tokens = start
             entry.prefill_s = vision_s
             self._running.append(entry)
-            chunk = entry.prompt.length - start if left is None else min(entry.prompt.length - start, left)
+            chunk = (
+                entry.prompt.length - start if left is None else largest_chunk(entry.prompt.length - start, start, left)
+            )
             chunks[len(self._running) - 1] = chunk
-            left = None if left is None else left - chunk
+            left = None if left is None else (left - chunk_cost(chunk, start) if chunk else 0)  # 0: the budget is spent
         return outputs
 
     @property
