@@ -51,31 +51,35 @@ def test_a_request_that_can_never_fit_is_refused_naming_the_limit_and_the_engine
     assert engine.result("small").finish_reason in ("length", "eos")
 
 
-@pytest.mark.parametrize("speculative", [False, True], ids=["target-alone", "prompt-lookup"])
-def test_requests_wait_for_blocks_and_each_gets_its_own_output(make_target, family, speculative):
+@pytest.mark.parametrize("drafter", ["target-alone", "prompt-lookup", "dspark"])
+def test_requests_short_of_blocks_are_preempted_then_resume_with_their_own_output(make_target, family, drafter):
+    """A budget of about two requests' blocks, three requests admitted on their prompts: as they grow, the latest
+    to join goes back to wait, recomputes its prompt and answer when room comes back, and ends as it does alone
+    (DSpark's drafter reopens with the recomputed features)."""
+    from tiny_drafters import tiny_drafter
+
+    from vlmspec.drafters.dspark import DSparkProposer
     from vlmspec.drafters.prompt_lookup import PromptLookup
 
     target = make_target(family)
-    proposer = PromptLookup(max_draft_tokens=3) if speculative else None
-    options = {"max_new_tokens": 12}
+    proposer = {
+        "target-alone": None,
+        "prompt-lookup": PromptLookup(max_draft_tokens=3),
+        "dspark": DSparkProposer(tiny_drafter(target)),
+    }[drafter]
+    options = {"max_new_tokens": 40}
     alone = [BatchEngine(target, proposer).generate_many([{"prompt": p, **options}])[0].token_ids for p in PROMPTS]
-    unbounded = BatchEngine(target, proposer)
-    needs = [unbounded._blocks_needed(entry) for entry in _queued(unbounded, options)]
-    budget = (needs[0] + needs[1]) * per_block(target)  # the first two fit together, the third must wait
-    engine = BatchEngine(target, proposer, kv_cache_memory=budget)
+    lengths = [target.build_inputs(None, p).length for p in PROMPTS]
+    size = 16
+    blocks = sum(-(-(n + 40) // size) for n in lengths[:2]) + 1  # two requests' worst cases, not three
+    engine = BatchEngine(target, proposer, kv_cache_memory=blocks * per_block(target), prefix_caching=False)
     ids = [engine.add_request(None, p, **options) for p in PROMPTS]
     most_running = 0
     while engine.has_unfinished:
         engine.step()
         most_running = max(most_running, engine.num_running)
-        used = engine.kv_cache["blocks_used"]
-        assert used <= engine.kv_cache["blocks_limit"]
-    assert most_running == 2
+        assert engine.kv_cache["blocks_used"] <= engine.kv_cache["blocks_limit"]
+    assert most_running == 3  # admitted on their prompts' blocks
+    assert engine.preemptions > 0
     assert [engine.result(i).token_ids for i in ids] == alone
     assert engine.kv_cache["blocks_used"] == 0  # every block came back
-
-
-def _queued(engine: BatchEngine, options: dict):
-    for prompt in PROMPTS:
-        engine.add_request(None, prompt, **options)
-    return list(engine._waiting)

@@ -64,8 +64,9 @@ def add_serve(commands) -> None:
         type=parse_kv_cache_memory,
         default=None,
         help="most memory the KV cache may hold: bytes (268435456, 256MB, 2GiB) or a fraction of RAM (0.25). A "
-        "request is admitted when the KV blocks it can ever need (prompt + max_tokens) fit beside the running "
-        "ones; one that never can gets HTTP 400 (default: half the RAM available at start)",
+        "request joins when its prompt's KV blocks fit; a running one that runs short is preempted and recomputed "
+        "later; one whose prompt + max_tokens could never fit gets HTTP 400 (default: half the RAM available at "
+        "start)",
     )
 
     p.add_argument(

@@ -58,6 +58,9 @@ class ServerMetrics:
         )
         self.kv_bytes_used = Gauge("vlmspec_kv_cache_bytes_used", "Bytes of KV held by requests", registry=r)
         self.kv_usage = Gauge("vlmspec_kv_cache_usage_ratio", "KV blocks in use over the budget's blocks", registry=r)
+        self.preemptions = Gauge(
+            "vlmspec_preemptions", "Requests preempted so far (KV freed, recomputed when they resume)", registry=r
+        )
         self.prefix_blocks = Gauge(
             "vlmspec_prefix_cache_blocks", "KV blocks the prefix cache keeps (held by requests or idle)", registry=r
         )
@@ -117,6 +120,7 @@ class ServerMetrics:
             if kv_cache["blocks_limit"] is not None:
                 self.kv_blocks_limit.set(kv_cache["blocks_limit"])
                 self.kv_usage.set(kv_cache["blocks_used"] / kv_cache["blocks_limit"])
+            self.preemptions.set(kv_cache["preemptions"])
             self.prefix_blocks.set(kv_cache["prefix_blocks"])
             self.prefix_queried.set(kv_cache["prefix_queried_tokens"])
             self.prefix_hits.set(kv_cache["prefix_hit_tokens"])

@@ -70,7 +70,7 @@ from vlmspec.targets.adapter import QwenVLTarget, TargetStep
 from vlmspec.targets.inputs import ImageLike, TargetInputs
 from vlmspec.targets.prompts import RowPrompt
 from vlmspec.targets.ragged import RaggedBatch
-from vlmspec.types import DraftBlock, GenerationResult, RequestOptions, VerifyResult
+from vlmspec.types import DraftBlock, GenerationResult, PrefillOutput, RequestOptions, VerifyResult
 
 
 @dataclass
@@ -94,10 +94,12 @@ class _Entry:
     inputs: TargetInputs | None
     added_s: float  # perf_counter() at add_request
     prompt_tokens: int  # the prompt's length in tokens (vision tokens included)
-    prompt: RowPrompt | None = None  # while its row prefills: the whole prompt (images through the tower)
+    prompt: RowPrompt | None = None  # while its row prefills: what it prefills (after a preemption, with its answer)
     prefilled: int = 0  # prompt tokens in its row so far (cached ones included)
     cached_tokens: int = 0  # prompt tokens its row found in the prefix cache
     prefill_s: float = 0.0  # its vision tower's seconds and those of every prefill forward it took part in
+    whole: RowPrompt | None = None  # its prompt through the vision tower, kept to recompute it after a preemption
+    joined: int = 0  # when it (last) took a row: the latest to join is preempted first
 
     @property
     def prefilling(self) -> bool:
@@ -120,8 +122,10 @@ class BatchEngine:
     ``max_prefill_tokens`` bounds the prompt tokens one step prefills while requests run
     (None: no bound), so prefills interleave with decode steps instead of stalling them.
     ``kv_cache_memory`` bounds the runner's KV pool: bytes, a fraction of RAM, or None (half
-    the RAM available at start); a request is admitted when the KV blocks it can ever need fit
-    (see :mod:`vlmspec.serving.memory`), and one that never can is refused by ``add_request``.
+    the RAM available at start); a request is admitted when its prompt's KV blocks fit, a running
+    one that runs short is preempted and recomputed later (see :mod:`vlmspec.serving.memory`), and
+    one that could never fit is refused by ``add_request``. ``prefix_caching`` reuses the KV of
+    earlier prompts' full blocks (:meth:`admit`).
     """
 
     def __init__(
@@ -157,6 +161,8 @@ class BatchEngine:
         self._running: list[_Entry] = []  # _running[row] holds the request in ragged row `row`
         self._results: dict[str, GenerationResult] = {}
         self._ids = itertools.count()
+        self._joins = itertools.count()
+        self.preemptions = 0  # requests put back to wait (their KV freed, recomputed when they resume)
 
     @classmethod
     def from_pretrained(
@@ -343,33 +349,70 @@ class BatchEngine:
         sizes = chunk_sizes([e.prompt.length - e.prefilled for e in entries], budget, [e.prefilled for e in entries])
         return dict(zip(rows, sizes, strict=True))
 
-    def _join_waiting(self, limit: int | None, left: int | None, chunks: dict[int, int]) -> list[StepOutput]:
-        """Give waiting requests rows while they fit (rows, KV budget, ``left`` tokens); their first chunks join
-        ``chunks``. A request whose images fail ends here: its output is returned."""
-        outputs = []
-        room = min(self.max_batch_size - len(self._running), len(self._waiting))
-        count = self._fitting(room if limit is None else min(room, limit))
-        for _ in range(count):
-            if left is not None and left <= 0:
+    def _join_waiting(self, limit: int | None, left: float | None, chunks: dict[int, int]) -> list[StepOutput]:
+        """Give waiting requests rows, in order, while they fit (rows, KV blocks, ``left`` of the prefill budget);
+        their first chunks join ``chunks``. A request whose images fail ends here: its output is returned."""
+        outputs, joined = [], 0
+        while self._waiting and len(self._running) < self.max_batch_size and (limit is None or joined < limit):
+            if (left is not None and left <= 0) or not self._fits_now(self._waiting[0]):
                 break
             entry = self._waiting.popleft()
-            try:
-                entry.prompt, vision_s = prepare_prompt(self.target, self.decoder, entry.request, entry.inputs)
-            except Exception as err:  # noqa: BLE001 - only this request's images failed
-                entry.request.finish("error", err)
-                self._store(entry)
-                outputs.append(StepOutput(entry.request_id, [], "error", None))
-                continue
+            if entry.whole is None:
+                try:
+                    entry.whole, entry.prefill_s = prepare_prompt(
+                        self.target, self.decoder, entry.request, entry.inputs
+                    )
+                except Exception as err:  # noqa: BLE001 - only this request's images failed
+                    entry.request.finish("error", err)
+                    self._store(entry)
+                    outputs.append(StepOutput(entry.request_id, [], "error", None))
+                    continue
+            # A preempted request recomputes its prompt and its answer but the last token (the anchor).
+            entry.prompt = entry.whole.extended(entry.request.tokens[:-1]) if entry.request.tokens else entry.whole
             (start,) = self._batch.open([entry.prompt])
-            entry.prefilled = entry.cached_tokens = start
-            entry.prefill_s = vision_s
+            entry.prefilled = start
+            if not entry.request.tokens:  # a resume finds its own blocks: not counted as the prompt's hits
+                entry.cached_tokens = start
+            entry.joined = next(self._joins)
             self._running.append(entry)
-            chunk = (
-                entry.prompt.length - start if left is None else largest_chunk(entry.prompt.length - start, start, left)
-            )
+            joined += 1
+            n = entry.prompt.length - start
+            chunk = n if left is None else largest_chunk(n, start, left)
             chunks[len(self._running) - 1] = chunk
             left = None if left is None else (left - chunk_cost(chunk, start) if chunk else 0)  # 0: the budget is spent
         return outputs
+
+    def _fits_now(self, entry: _Entry) -> bool:
+        """Whether the blocks of ``entry``'s prompt (and answer so far) fit beside what the decoding rows' next
+        step may take (admission on the prompt, as vLLM: a request that later runs short is preempted)."""
+        pool = self._batch.pool
+        if pool.max_blocks is None:
+            return True
+        tokens = entry.prompt_tokens + max(0, len(entry.request.tokens) - 1)
+        return pool.blocks_for(tokens) + self._blocks_for_next_step() <= pool.available()
+
+    def _blocks_for_next_step(self) -> int:
+        """New blocks the decoding rows may take in their next step (the anchor and the most drafts each)."""
+        rows = [row for row, entry in enumerate(self._running) if not entry.prefilling]
+        return self._batch.blocks_to_grow(rows, 1 + self.decoder.proposer.max_draft_tokens)
+
+    def _preempt_for_next_step(self) -> None:
+        """Put the latest requests to join back to wait until the decoding rows' next step fits the KV budget.
+
+        A preempted request's blocks go back (its full ones stay in the prefix cache while room allows);
+        it waits at the head of the queue and, when it fits again, recomputes its prompt and answer and
+        goes on from its last token: its output is the one it gets alone (recompute, as vLLM does).
+        """
+        pool = self._batch.pool
+        while pool.max_blocks is not None and len(self._running) > 1:
+            if self._blocks_for_next_step() <= pool.available():
+                return
+            row = max(range(len(self._running)), key=lambda r: self._running[r].joined)
+            entry = self._running[row]
+            self._remove_row(row)
+            entry.prompt, entry.prefilled = None, 0
+            self._waiting.appendleft(entry)
+            self.preemptions += 1
 
     @property
     def kv_cache(self) -> dict[str, int | None]:
@@ -387,24 +430,8 @@ class BatchEngine:
             "prefix_idle_blocks": prefix.get("idle_blocks", 0),
             "prefix_queried_tokens": prefix.get("queried_tokens", 0),
             "prefix_hit_tokens": prefix.get("hit_tokens", 0),
+            "preemptions": self.preemptions,
         }
-
-    def _blocks_needed(self, entry: _Entry) -> int:
-        """KV blocks the request in ``entry`` can ever hold (see :func:`~vlmspec.serving.memory.blocks_needed`)."""
-        size = self._batch.pool.block_size
-        return blocks_needed(entry.prompt_tokens, entry.request.max_new_tokens, self.target.max_context, size)
-
-    def _fitting(self, count: int) -> int:
-        """How many of the first ``count`` waiting requests fit the KV budget beside the running ones (in order)."""
-        limit = self._batch.pool.max_blocks
-        if limit is None or count == 0:
-            return count
-        reserved = sum(self._blocks_needed(entry) for entry in self._running)
-        for admitted, entry in enumerate(itertools.islice(self._waiting, count)):
-            reserved += self._blocks_needed(entry)
-            if reserved > limit:
-                return admitted
-        return count
 
     def _check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """Refuse a request whose KV could never fit the budget, even alone (ValueError naming the limit)."""
@@ -447,10 +474,11 @@ class BatchEngine:
         for row, step in steps.items():
             entry = self._running[row]
             if entry.prefilled == entry.prompt.length:
+                resuming = bool(entry.request.tokens)  # its tokens went out before its preemption
                 self._start(row, entry, step)
-                outputs.append(
-                    StepOutput(entry.request_id, list(entry.request.tokens), entry.request.finish_reason, None)
-                )
+                if not resuming:
+                    tokens = list(entry.request.tokens)
+                    outputs.append(StepOutput(entry.request_id, tokens, entry.request.finish_reason, None))
         return outputs
 
     def _prefill_rows(self, rows: list[int], chunks: dict[int, int]) -> dict[int, TargetStep]:
@@ -466,11 +494,17 @@ class BatchEngine:
         return dict(zip(rows, steps, strict=True))
 
     def _start(self, row: int, entry: _Entry, last: TargetStep) -> None:
-        """The request's prompt is all in its row: draw its first token and open its drafter state."""
+        """The request's prompt is all in its row: draw its first token and open its drafter state (after a
+        preemption: reopen the drafter's state, nothing is drawn)."""
         prompt, entry.prompt = entry.prompt, None
-        step = TargetStep(
-            logits=last.logits, features=self._batch.features_of(row, prompt.length), positions=prompt.positions_1d()
-        )
+        features = self._batch.features_of(row, prompt.length)
+        if entry.request.tokens:
+            after = prompt.end + prompt.rope_delta  # the anchor's 1-D position
+            self.decoder.resume(
+                entry.request, PrefillOutput(prompt.ids, prompt.positions_1d(), features, last.logits[-1], after)
+            )
+            return
+        step = TargetStep(logits=last.logits, features=features, positions=prompt.positions_1d())
         start_request(self.target, self.decoder, entry.request, entry.inputs, step, entry.prefill_s, prompt.rope_delta)
         entry.inputs = None  # the processor outputs (pixels) are not needed any more
 
@@ -480,6 +514,7 @@ class BatchEngine:
         The compute phase (:meth:`_verify`) may be rerun request by request; the commit
         phase (:meth:`_commit`) runs once for each request that got through it.
         """
+        self._preempt_for_next_step()
         rows = [row for row, entry in enumerate(self._running) if not entry.prefilling]  # rows prefilling sit out
         if not rows:
             return []
@@ -593,11 +628,15 @@ class BatchEngine:
         for row in reversed(range(len(self._running))):  # highest first: the row moved into a hole is unfinished
             entry = self._running[row]
             if entry.request.finished:
-                moved = self._batch.remove(row)
-                if moved is not None:
-                    self._running[row] = self._running[moved]
-                self._running.pop()
+                self._remove_row(row)
                 self._store(entry)
+
+    def _remove_row(self, row: int) -> None:
+        """Free a request's row (its blocks); the last row moves into the hole, as in the ragged batch."""
+        moved = self._batch.remove(row)
+        if moved is not None:
+            self._running[row] = self._running[moved]
+        self._running.pop()
 
     def _store(self, entry: _Entry) -> None:
         request = entry.request

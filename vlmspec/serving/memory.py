@@ -6,11 +6,14 @@ when it starts (``/proc/meminfo``'s MemAvailable, or psutil's): the pool only gr
 need blocks, so an unused budget costs nothing, but a burst of long prompts can no longer
 take the machine.
 
-Admission by blocks: a request is admitted when the blocks it can ever need, its prompt
-plus ``max_new_tokens`` (capped by the context), fit beside the blocks every running
-request can still ask for (:func:`blocks_needed`). A running request therefore never
-meets a full pool mid-generation, and nothing is preempted: the newcomer waits. A request
-that needs more blocks than the whole budget can never run; ``BatchEngine.add_request``
+Admission by blocks, as vLLM does: a waiting request joins when the blocks of its prompt fit
+beside what the decoding requests' next step may take (their anchor and most drafts each);
+its prompt's blocks are taken at once, so its prefill chunks never run short. When decoding
+requests outgrow the pool, the latest to join is preempted: its blocks go back (its full ones
+stay in the prefix cache while room allows), it waits at the head of the queue, and when it
+fits again it recomputes its prompt and answer and goes on from its last token, with the
+output it gets alone. A request whose prompt plus ``max_new_tokens`` (capped by the context,
+:func:`blocks_needed`) exceeds the whole budget could never finish; ``BatchEngine.add_request``
 refuses it with a ValueError that names the budget (the server answers 400).
 """
 

@@ -250,6 +250,25 @@ class SpecDecoder:
         )
         return committed
 
+    def resume(self, request: SpecRequest, prefill: PrefillOutput) -> None:
+        """After the host recomputed a preempted request's KV: reopen the drafter's state; nothing is drawn.
+
+        ``prefill`` covers the prompt and every committed token but the last (its ids,
+        positions and features); the last committed token is the anchor again, at
+        ``prefill.next_position``. The drafter starts as on a new prompt that long.
+        """
+        if not request.tokens or request.finished:
+            raise ValueError("resume() takes a started, unfinished request")
+        request.draft_state = self.proposer.new_state() if request.options.speculative else None
+        request.skipped_updates, request.update_proposed = [], False
+        request.update = ContextUpdate(
+            token_ids=prefill.token_ids.reshape(-1).cpu(),
+            positions=prefill.positions.reshape(-1).cpu(),
+            features=prefill.features,
+            anchor=request.tokens[-1],
+            anchor_position=int(prefill.next_position),
+        )
+
     # ---------------------------------------------------------------- steps
     def propose(self, requests: Sequence[SpecRequest]) -> DraftBlock:
         """Drafts for every request in one proposer call: tokens [R, gamma], num_tokens [R], confidences [R, gamma].

@@ -79,6 +79,20 @@ class RowPrompt:
     def positions_1d(self) -> torch.Tensor:  # [L] int64 (CPU)
         return torch.arange(self.start, self.end) if self.text_positions is None else self.text_positions.cpu()
 
+    def extended(self, tokens: Sequence[int]) -> RowPrompt:
+        """This whole prompt followed by ``tokens`` (a request's answer so far), each at its cache index +
+        rope_delta in all three M-RoPE components and in the drafter's positions: how decoding placed them."""
+        if self.start != 0:
+            raise ValueError("extended() takes a whole prompt, not a piece")
+        after = torch.arange(self.length, self.length + len(tokens)) + self.rope_delta  # [n]
+        return RowPrompt(
+            ids=torch.cat((self.ids.cpu(), torch.as_tensor(list(tokens), dtype=torch.long))),
+            mrope=None if self.mrope is None else torch.cat((self.mrope.cpu(), after.expand(3, -1)), dim=1),
+            rope_delta=self.rope_delta,
+            vision=self.vision,
+            text_positions=None if self.text_positions is None else torch.cat((self.text_positions.cpu(), after)),
+        )
+
     def piece(self, start: int, end: int | None = None) -> RowPrompt:
         """Tokens ``start .. end - 1`` of this prompt, with their positions and images: a prefix cache hit's
         suffix, or one chunk of a chunked prefill. Pieces run in order fill a row as the whole prompt does."""

@@ -224,6 +224,15 @@ class RaggedBatch:
         """The pool blocks row ``row`` holds, in order (its block table)."""
         return list(self._blocks[row])
 
+    def blocks_to_grow(self, rows: Sequence[int], slots: int) -> int:
+        """New blocks the rows would take to hold ``slots`` more slots each (within the context)."""
+        size, context = self.pool.block_size, self.target.max_context
+        wanted = 0
+        for row in rows:
+            held = min(int(self.lengths[row]) + slots, context)
+            wanted += max(0, -(-held // size) - len(self._blocks[row]))
+        return wanted
+
     def features_of(self, row: int, end: int) -> torch.Tensor | None:  # -> [end, m * d] or None
         """The hooked features of row ``row``'s first ``end`` tokens, read from beside its KV (None: no layers)."""
         if self.pool.features is None:
@@ -318,7 +327,8 @@ class RaggedBatch:
         :mod:`vlmspec.targets.prefix_keys`), shared with any row that holds them, and its
         length is what they hold: fill the rest with :meth:`extend` (``prompt.piece(start)``).
         At least the last token is always left to compute (its logits start the request).
-        Without prefix caching every row starts empty (0). Nothing runs here.
+        Without prefix caching every row starts empty (0). Nothing runs here, but every
+        block the prompts need is taken now (:class:`KVPoolFull` if they do not fit: no row opens).
         """
         prompts = [as_row_prompt(p) for p in prompts]
         if any(p.length < 1 or p.start != 0 for p in prompts):
@@ -341,6 +351,11 @@ class RaggedBatch:
             content.cached_blocks = len(hits)
             self.lengths[row] = len(hits) * size
             starts.append(len(hits) * size)
+        try:  # every block the prompts need, now: their pieces never meet a full pool
+            self._reserve_slots(torch.tensor([p.length for p in prompts]), first=first)
+        except Exception:
+            self._close_rows(first)
+            raise
         self._pending = None
         self._decoder = None  # a request joins: the packed weights are re-checked once, as in add()
         return starts
