@@ -5,10 +5,14 @@ vlmspec's own target forward as the "model runner": a :class:`~vlmspec.targets.r
 that verifies every request's anchor plus its scheduled drafts in one packed forward.
 Each :meth:`BatchEngine.step`:
 
-1. admits waiting requests while fewer than ``max_batch_size`` run and draws each one's
-   first token: their images go through the vision tower (:meth:`QwenVLTarget.row_prompt`),
-   then all their prompts, text and images alike, run in one packed forward of the runner
-   that writes their KV straight into new rows (:meth:`RaggedBatch.prefill`);
+1. admits waiting requests while fewer than ``max_batch_size`` run and their prompts' KV
+   blocks fit (:mod:`vlmspec.serving.memory`): their images go through the vision tower
+   (:meth:`QwenVLTarget.row_prompt`), each new row starts from what the prefix cache holds of
+   its prompt (:meth:`RaggedBatch.open`), and the prompts' next pieces, text and images
+   alike, run in one packed forward that writes their KV straight into their rows
+   (:meth:`RaggedBatch.extend`): whole prompts when nothing decodes, else chunks within
+   ``max_prefill_tokens`` (:mod:`vlmspec.serving.admission`); a prompt now complete draws
+   its first token;
 2. runs one step of the step API for all running requests: one drafter call
    (``decoder.propose``), one scheduler call on the [R, gamma] confidences
    (``decoder.plan``), one target forward (``RaggedBatch.verify``), ``decoder.verify``
