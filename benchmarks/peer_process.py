@@ -204,6 +204,7 @@ class Timing:
     first_s: float | None = None  # the first content chunk
     done_s: float | None = None
     chunk_s: list[float] = field(default_factory=list)  # every content chunk's arrival
+    prompt_tokens: int = 0
     completion_tokens: int = 0
     text: str = ""
     speculation: dict = field(default_factory=dict)  # vlmspec's own field: rounds, accepted
@@ -227,6 +228,7 @@ async def stream_chat(client, body: dict) -> Timing:
         )
         async for chunk in stream:
             if chunk.usage is not None:
+                timing.prompt_tokens = chunk.usage.prompt_tokens
                 timing.completion_tokens = chunk.usage.completion_tokens
             for choice in chunk.choices:
                 if choice.delta.content:
