@@ -170,8 +170,8 @@ def vllm_serve(
 ) -> PeerProcess:
     """``vllm serve`` of the model folder from vLLM's venv (made on first use), with its CPU guide's settings.
 
-    Not started. ``images=False`` tells vLLM that prompts carry no images or videos (it then skips the
-    multimodal memory profile); ``extra`` are further flags (``--max-num-seqs``,
+    Not started. Prompts carry no videos, and no images unless ``images`` (then one each): vLLM
+    profiles the memory of those only; ``extra`` are further flags (``--max-num-seqs``,
     ``--no-enable-prefix-caching``, ...).
     """
     from benchmarks.vllm_peer import DEFAULT_VENV, ensure_vllm_venv, vllm_environment
@@ -182,8 +182,8 @@ def vllm_serve(
     command += ["--served-model-name", SERVED_MODEL_NAME, "--dtype", dtype, "--port", str(port)]
     command += ["--max-model-len", str(max_model_len), "--seed", "0"]
     command += ["--gpu-memory-utilization", "0.3"]  # on a CPU: the share of RAM to reserve
-    if not images:
-        command += ["--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0})]
+    # no videos ever, and no images unless asked: vLLM then profiles the memory of what can come only
+    command += ["--limit-mm-per-prompt", json.dumps({"image": int(images), "video": 0})]
     command += list(extra)
     env = vllm_environment(threads)
     return PeerProcess(name, command, port=port, log_path=Path(log_dir) / f"{name}.log", env=env)
