@@ -21,6 +21,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -243,6 +244,26 @@ def add_target_arguments(parser: Any, *, out: str) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, default=2, help="torch threads (and the peers' threads)")
     parser.add_argument("--out", type=Path, default=Path(out))
+
+
+def add_server_arguments(parser: Any) -> None:
+    """``--drafter``, ``--server-args`` and ``--startup-timeout``: how a benchmark starts ``vlmspec serve``.
+
+    Call :func:`server_drafter` after parsing: an unset ``--drafter`` is the reference pair's own for the
+    reference target, else the server's default.
+    """
+    parser.add_argument(
+        "--drafter", default=None, help="vlmspec serve's --drafter (default: 'reference' for the reference target)"
+    )
+    parser.add_argument(
+        "--server-args", type=shlex.split, default=[], help="more vlmspec serve flags, one string (shell quoting)"
+    )
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for a server")
+
+
+def server_drafter(args: Any) -> str | None:
+    """``--drafter``, else ``reference`` for the reference target, else None (the server's own default)."""
+    return args.drafter or ("reference" if args.target == "reference" else None)
 
 
 def peer_logs_dir(out: str | os.PathLike, peer: str) -> Path:

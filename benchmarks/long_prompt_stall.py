@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shlex
 from collections.abc import Sequence
 
 from benchmarks.common import (
     MT_BENCH,
+    add_server_arguments,
     add_target_arguments,
     held_out_prompts_of_length,
     log,
@@ -44,6 +44,7 @@ from benchmarks.common import (
     peer_logs_dir,
     percentile,
     prepare_out_dir,
+    server_drafter,
     write_json,
     write_text,
 )
@@ -56,19 +57,15 @@ BAR_S, GOAL_S = 1.0, 0.25  # issue #45: the most a running stream may wait while
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_target_arguments(parser, out="runs/long-prompt-stall")
-    parser.add_argument("--drafter", default=None, help="vlmspec serve's --drafter (default: the server's own)")
-    parser.add_argument("--server-args", default="", help="more vlmspec serve flags, one string")
+    add_server_arguments(parser)
     parser.add_argument("--streams", type=int, default=4, help="running streams (short prompts)")
     parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each short request")
     parser.add_argument("--long-tokens", type=int, default=6000, help="the long prompt's length, about, in tokens")
     parser.add_argument("--long-max-tokens", type=int, default=8, help="max_tokens of the long request")
     parser.add_argument("--lead-s", type=float, default=5.0, help="seconds the streams run before the long prompt")
     parser.add_argument("--tail-s", type=float, default=5.0, help="seconds they run after its first token")
-    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the server")
     args = parser.parse_args(argv)
-    if args.drafter is None and args.target == "reference":
-        args.drafter = "reference"
-    args.server_args = shlex.split(args.server_args)
+    args.drafter = server_drafter(args)
     return args
 
 

@@ -35,18 +35,19 @@ python -m benchmarks.prefix_ttft --target tiny:qwen2_vl --engines vlmspec,vlmspe
 from __future__ import annotations
 
 import argparse
-import shlex
 import time
 from collections.abc import Sequence
 
 from benchmarks import prefix_peers
 from benchmarks.common import (
     MT_BENCH,
+    add_server_arguments,
     add_target_arguments,
     log,
     markdown_table,
     peer_logs_dir,
     prepare_out_dir,
+    server_drafter,
     write_json,
     write_text,
 )
@@ -60,15 +61,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_target_arguments(parser, out="runs/prefix-ttft")
     engines = (IN_PROCESS, *prefix_peers.ENGINES)
     parser.add_argument("--engines", default=",".join(engines), help=f"comma-separated, any of {', '.join(engines)}")
-    parser.add_argument(
-        "--drafter", default=None, help="vlmspec-serve's --drafter (default: 'reference' for the reference target)"
-    )
-    parser.add_argument("--server-args", default="", help="more vlmspec serve flags, one string (vlmspec-serve)")
+    add_server_arguments(parser)  # vlmspec-serve's
     parser.add_argument("--llama-slots", type=int, default=4, help="llama-server -np (slots that keep a prompt)")
     parser.add_argument(
         "--llama-cpp", default=None, help="llama.cpp folder (default: $LLAMA_CPP_DIR, else runs/llamacpp)"
     )
-    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for a server")
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--system-tokens", type=int, default=1500)
@@ -78,9 +75,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.engine_list = [e for e in args.engines.split(",") if e]
     if not args.engine_list or set(args.engine_list) - set(engines):
         parser.error(f"--engines takes any of {', '.join(engines)}, got {args.engines!r}")
-    if args.drafter is None and args.target == "reference":
-        args.drafter = "reference"
-    args.server_args = shlex.split(args.server_args)
+    args.drafter = server_drafter(args)
     return args
 
 
