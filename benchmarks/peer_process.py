@@ -179,7 +179,7 @@ def vllm_serve(
     port = port or free_port()
     python = ensure_vllm_venv(DEFAULT_VENV)
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-    command += ["--served-model-name", SERVED_MODEL_NAME, "--dtype", dtype, "--port", str(port)]
+    command += ["--served-model-name", SERVED_MODEL_NAME, "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port)]
     command += ["--max-model-len", str(max_model_len), "--seed", "0"]
     command += ["--gpu-memory-utilization", "0.3"]  # on a CPU: the share of RAM to reserve
     # no videos ever, and no images unless asked: vLLM then profiles the memory of what can come only

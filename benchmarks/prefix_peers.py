@@ -137,52 +137,65 @@ def ask(server: PeerProcess, messages: list[dict], max_tokens: int, fields: dict
     return asyncio.run(one())
 
 
-def http_chat(engine: Engine, picture, questions: Sequence[str], args: Any) -> list[dict]:
-    """A multi-turn chat (about ``picture`` when given) on ``engine``: each turn warm and cold, alternating which first.
+def run_engine(engine: Engine, picture, chat_questions: Sequence[str], system: str, system_questions, args: Any):
+    """Every scenario on ``engine``, one scenario after another on the same servers: ``{scenario: rows}``.
 
-    The answer appended to the history is the warm server's. Returns per turn: ``warm`` and
-    ``cold`` TTFT seconds, their ``ratio`` and whether the two answers are the ``same``.
+    The warm server (and the cold one, where the engine turns its cache off) stays up through all of
+    them: their prompts share no more than the chat template's first tokens, so nothing one
+    scenario leaves in a cache serves the next.
     """
     warm = ready(engine.start(True), args.startup_timeout)
-    cold = None if engine.cold == "fresh process" else ready(engine.start(False), args.startup_timeout)
-    history, rows = [], []
+    cold = None
     try:
-        for turn, question in enumerate(questions, start=1):
-            content = [{"type": "text", "text": question}]
-            if turn == 1 and picture is not None:
-                content.insert(0, {"type": "image_url", "image_url": {"url": image_data_url(picture)}})
-            messages = [*history, {"role": "user", "content": content}]
-            answers = {}
-            for kind in ("warm", "cold") if turn % 2 else ("cold", "warm"):
-                server = warm if kind == "warm" else cold or ready(engine.start(False), args.startup_timeout)
-                try:
-                    answers[kind] = ask(server, messages, args.max_new_tokens, engine.fields(kind == "warm"))
-                finally:
-                    if server is not warm and server is not cold:
-                        server.stop()
-            history = [*messages, {"role": "assistant", "content": answers["warm"].text}]
-            rows.append(turn_row(turn, answers["warm"], answers["cold"]))
+        cold = None if engine.cold == "fresh process" else ready(engine.start(False), args.startup_timeout)
+        found = {}
+        if engine.images:
+            found["image chat"] = http_chat(engine, warm, cold, picture, chat_questions, args)
+        found["text chat"] = http_chat(engine, warm, cold, None, chat_questions, args)
+        found["system prompt"] = http_system(engine, warm, system, system_questions, args)
+        return found
     finally:
         for server in (warm, cold):
             if server is not None:
                 server.stop()
+
+
+def http_chat(engine: Engine, warm: PeerProcess, cold, picture, questions: Sequence[str], args: Any) -> list[dict]:
+    """A multi-turn chat (about ``picture`` when given): each turn to ``warm`` and cold, alternating which first.
+
+    Cold is ``cold`` (a server with its cache off) or, where it is None, a freshly started server
+    for each cold request. The answer appended to the history is the warm server's. Returns per
+    turn: ``warm`` and ``cold`` TTFT seconds, their ``ratio`` and whether the answers are the ``same``.
+    """
+    history, rows = [], []
+    for turn, question in enumerate(questions, start=1):
+        content = [{"type": "text", "text": question}]
+        if turn == 1 and picture is not None:
+            content.insert(0, {"type": "image_url", "image_url": {"url": image_data_url(picture)}})
+        messages = [*history, {"role": "user", "content": content}]
+        answers = {}
+        for kind in ("warm", "cold") if turn % 2 else ("cold", "warm"):
+            server = warm if kind == "warm" else cold or ready(engine.start(False), args.startup_timeout)
+            try:
+                answers[kind] = ask(server, messages, args.max_new_tokens, engine.fields(kind == "warm"))
+            finally:
+                if server is not warm and server is not cold:
+                    server.stop()
+        history = [*messages, {"role": "assistant", "content": answers["warm"].text}]
+        rows.append(turn_row(turn, answers["warm"], answers["cold"]))
     return rows
 
 
-def http_system(engine: Engine, system: str, questions: Sequence[str], args: Any) -> list[dict]:
-    """``questions`` one after another behind one ``system`` prompt on one warm server: each TTFT and its ratio to
-    the first's."""
-    server = ready(engine.start(True), args.startup_timeout)
+def http_system(engine: Engine, server: PeerProcess, system: str, questions: Sequence[str], args: Any) -> list[dict]:
+    """``questions`` one after another behind one ``system`` prompt on ``server``: each TTFT and its ratio to the
+    first's."""
     timings = []
-    try:
-        for question in questions:
-            messages = [
-                {"role": "system", "content": [{"type": "text", "text": system}]},
-                {"role": "user", "content": [{"type": "text", "text": question}]},
-            ]
-            timings.append(ask(server, messages, args.max_new_tokens, engine.fields(True)))
-    finally:
-        server.stop()
+    for question in questions:
+        messages = [
+            {"role": "system", "content": [{"type": "text", "text": system}]},
+            {"role": "user", "content": [{"type": "text", "text": question}]},
+        ]
+        timings.append(ask(server, messages, args.max_new_tokens, engine.fields(True)))
     return system_rows([t.ttft_s for t in timings], [t.error for t in timings])
 
 

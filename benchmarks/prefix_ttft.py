@@ -167,13 +167,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             engine = prefix_peers.make_engine(name, args, peer_logs_dir(out, name))
             cold[name] = engine.cold
-            if engine.images:
-                log(f"[prefix-ttft] {name}: image chat")
-                scenarios["image chat"][name] = prefix_peers.http_chat(engine, picture, chat_questions, args)
-            log(f"[prefix-ttft] {name}: text chat")
-            scenarios["text chat"][name] = prefix_peers.http_chat(engine, None, chat_questions, args)
-            log(f"[prefix-ttft] {name}: system prompt")
-            scenarios["system prompt"][name] = prefix_peers.http_system(engine, system, system_questions, args)
+            log(f"[prefix-ttft] {name}: starting its servers ...")
+            found = prefix_peers.run_engine(engine, picture, chat_questions, system, system_questions, args)
+            for scenario, rows in found.items():
+                scenarios[scenario][name] = rows
         except (PeerNotReady, RuntimeError, ValueError, OSError) as err:
             skipped[name] = " ".join(str(err).split())[:600]
             log(f"[prefix-ttft] {name} left out: {skipped[name]}")
