@@ -162,7 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine_of, target, system_questions, args.system_tokens, args.max_new_tokens
         )
     system = system_text(target.tokenizer, system_questions, args.system_tokens)
-    cold = {IN_PROCESS: "new BatchEngine over the same target, vision cache emptied"}
+    cold = {}
+    if IN_PROCESS in args.engine_list:
+        cold[IN_PROCESS] = "new BatchEngine over the same target, vision cache emptied"
     for name in (e for e in args.engine_list if e != IN_PROCESS):
         try:
             engine = prefix_peers.make_engine(name, args, peer_logs_dir(out, name))
