@@ -39,7 +39,7 @@ The reference pair on a CPU (the default)::
 
 A smoke run on a tiny random target::
 
-    python -m benchmarks.serving --target tiny:qwen2_vl --drafter prompt-lookup --concurrency 1,2 \\
+    python -m benchmarks.serving --target tiny:qwen2_vl --drafter prompt-lookup --variants alone,fixed --concurrency 1,2 \\
         --requests 4 --max-tokens 8 --out runs/serving-smoke
 
 The clients run in this process and the servers in theirs; on a small machine they share
