@@ -1,7 +1,9 @@
-"""Do running streams stall while a long prompt prefills? Inter-token gaps of ``vlmspec serve``'s streams around one.
+"""Do running streams stall while a long prompt prefills? Inter-token gaps of a server's streams around one.
 
 Issue #45's "long prompt" bar: while a 6,000-token prompt prefills, running streams never wait
-more than 1.0 s between tokens (goal 0.25 s). Through ``vlmspec serve`` (HTTP, streaming):
+more than 1.0 s between tokens (goal 0.25 s). Through ``vlmspec serve`` (HTTP, streaming), and
+with ``--engines`` the same run against ``llama-server`` (``-np`` streams + 1) and ``vllm serve``
+(``benchmarks/prefix_peers.py`` starts them; reference target only), one engine after another:
 
 1. ``--streams`` clients (4) each stream short held-out questions back to back (greedy,
    ``--max-tokens`` each; a client whose answer ends sends its next question), so that
@@ -18,11 +20,12 @@ the number of gaps, their median, p99 and max, and the long prompt's time to fir
 prompt tokens. A first chunk's wait (a stream's own TTFT) is not a gap. With speculation a
 chunk may carry several tokens: a gap is the wait a user sees between two pieces of text.
 
-Writes ``long_prompt_stall.json`` and ``long_prompt_stall.md`` into ``--out``; the server's log
-goes to ``runs/peer-logs/``.
+Writes ``long_prompt_stall.json`` and ``long_prompt_stall.md`` into ``--out``; the servers' logs
+go to ``runs/peer-logs/``.
 
 ```bash
 python -m benchmarks.long_prompt_stall --out runs/long-prompt-stall
+python -m benchmarks.long_prompt_stall --engines vlmspec-serve,llama-cpp,vllm --out runs/long-prompt-stall-peers
 python -m benchmarks.long_prompt_stall --target tiny:qwen2_vl --drafter prompt-lookup --long-tokens 300 \\
     --lead-s 1 --tail-s 1 --max-tokens 16 --out runs/stall-smoke
 ```
@@ -34,6 +37,7 @@ import argparse
 import asyncio
 from collections.abc import Sequence
 
+from benchmarks import prefix_peers
 from benchmarks.common import (
     MT_BENCH,
     add_server_arguments,
@@ -48,7 +52,7 @@ from benchmarks.common import (
     write_json,
     write_text,
 )
-from benchmarks.peer_process import Timing, openai_client, stream_chat, vlmspec_serve
+from benchmarks.peer_process import PeerNotReady, Timing, openai_client, stream_chat
 
 PHASES = ("before", "while", "after")
 BAR_S, GOAL_S = 1.0, 0.25  # issue #45: the most a running stream may wait while a long prompt prefills
@@ -58,6 +62,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_target_arguments(parser, out="runs/long-prompt-stall")
     add_server_arguments(parser)
+    engines = prefix_peers.ENGINES
+    parser.add_argument("--engines", default="vlmspec-serve", help=f"comma-separated, any of {', '.join(engines)}")
+    parser.add_argument(
+        "--llama-cpp", default=None, help="llama.cpp folder (default: $LLAMA_CPP_DIR, else runs/llamacpp)"
+    )
     parser.add_argument("--streams", type=int, default=4, help="running streams (short prompts)")
     parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each short request")
     parser.add_argument("--long-tokens", type=int, default=6000, help="the long prompt's length, about, in tokens")
@@ -66,6 +75,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tail-s", type=float, default=5.0, help="seconds they run after its first token")
     args = parser.parse_args(argv)
     args.drafter = server_drafter(args)
+    args.engine_list = [e for e in args.engines.split(",") if e]
+    if not args.engine_list or set(args.engine_list) - set(engines):
+        parser.error(f"--engines takes any of {', '.join(engines)}, got {args.engines!r}")
     return args
 
 
@@ -96,8 +108,10 @@ def merge_phases(streams: Sequence[dict[str, list[float]]]) -> dict[str, list[fl
 
 
 # ---------------------------------------------------------------------------------- the run
-async def run_window(url: str, questions: list[str], long_prompt: str, args: argparse.Namespace) -> dict:
-    """The streams, the long prompt among them, and the times that place every gap (see the module docstring)."""
+async def run_window(url: str, questions: list[str], long_prompt: str, args: argparse.Namespace, fields: dict) -> dict:
+    """The streams, the long prompt among them, and the times that place every gap (see the module docstring).
+
+    ``fields`` are the engine's own request fields (llama.cpp's ``cache_prompt``)."""
     client = openai_client(url)
     stop = asyncio.Event()
     streams: list[list[Timing]] = [[] for _ in range(args.streams)]
@@ -106,13 +120,13 @@ async def run_window(url: str, questions: list[str], long_prompt: str, args: arg
         asked = 0
         while not stop.is_set():
             question = questions[(index + asked * args.streams) % len(questions)]
-            body = {"messages": [user(question)], "max_tokens": args.max_tokens, "temperature": 0}
+            body = {"messages": [user(question)], "max_tokens": args.max_tokens, "temperature": 0, **fields}
             streams[index].append(await stream_chat(client, body))
             asked += 1
 
     tasks = [asyncio.ensure_future(runner(i)) for i in range(args.streams)]
     await asyncio.sleep(args.lead_s)
-    long_body = {"messages": [user(long_prompt)], "max_tokens": args.long_max_tokens, "temperature": 0}
+    long_body = {"messages": [user(long_prompt)], "max_tokens": args.long_max_tokens, "temperature": 0, **fields}
     long = await stream_chat(client, long_body)
     await asyncio.sleep(args.tail_s)
     stop.set()
@@ -134,37 +148,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = load_target(args.target, dtype=args.dtype).tokenizer
     long_prompt = held_out_prompts_of_length(tokenizer, 1, args.long_tokens)[0]
     questions = held_out_prompts(MT_BENCH)[: 4 * args.streams]
-    server = vlmspec_serve(
-        "server-stall",
-        target=args.target,
-        dtype=args.dtype,
-        drafter=args.drafter,
-        extra=["--max-batch-size", str(args.streams + 1), *args.server_args],
-        log_dir=peer_logs_dir(out, "servers"),
-    )
-    with server.launch():
-        log("[stall] waiting for the server ...")
-        server.wait_ready(args.startup_timeout)
-        warm_up = asyncio.run(run_short(server.url, questions[0]))  # first-call costs, off the clock
-        if warm_up.error:
-            raise SystemExit(f"the warm-up request failed: {warm_up.error} (server log: {server.log_path})")
-        log("[stall] streams running; the long prompt follows ...")
-        found = asyncio.run(run_window(server.url, questions, long_prompt, args))
-    result = summarize_run(found["long"], found["streams"])
+    args.server_args = ["--max-batch-size", str(args.streams + 1), *args.server_args]  # a later one of the user's wins
+    context = args.long_tokens + 2048  # the long prompt, the chat template and the answer
+    results, skipped = {}, {}
+    for name in args.engine_list:
+        try:
+            engine = prefix_peers.make_engine(
+                name, args, peer_logs_dir(out, name), context=context, slots=args.streams + 1
+            )
+            server = prefix_peers.ready(engine.start(True), args.startup_timeout)  # its warm-up is off the clock
+            try:
+                log(f"[stall] {name}: streams running; the long prompt follows ...")
+                found = asyncio.run(run_window(server.url, questions, long_prompt, args, engine.fields(True)))
+            finally:
+                server.stop()
+            results[name] = {**summarize_run(found["long"], found["streams"]), "server": server.command}
+        except (PeerNotReady, RuntimeError, ValueError, OSError) as err:
+            if name == "vlmspec-serve":
+                raise
+            skipped[name] = " ".join(str(err).split())[:600]
+            log(f"[stall] {name} left out: {skipped[name]}")
     settings = {k: v for k, v in vars(args).items() if k != "out"}
-    write_json(out / "long_prompt_stall.json", {"settings": settings, **result, "server": server.command})
-    text = report(result, args)
+    write_json(out / "long_prompt_stall.json", {"settings": settings, "skipped": skipped, "engines": results})
+    text = report(results, skipped, args)
     write_text(out / "long_prompt_stall.md", text)
     print(text)
     return 0
-
-
-async def run_short(url: str, question: str) -> Timing:
-    client = openai_client(url)
-    try:
-        return await stream_chat(client, {"messages": [user(question)], "max_tokens": 4, "temperature": 0})
-    finally:
-        await client.close()
 
 
 def summarize_run(long: Timing, streams: list[list[Timing]]) -> dict:
@@ -190,40 +199,50 @@ def summarize_run(long: Timing, streams: list[list[Timing]]) -> dict:
     }
 
 
-def report(result: dict, args: argparse.Namespace) -> str:
-    long, phases = result["long"], result["phases"]
-    worst = phases["while"]["max_s"]
-    verdict = (
-        "no gap fell in the prefill window (no stream was running: lengthen --lead-s or --max-tokens)"
-        if worst is None
-        else f"longest wait while it prefilled {worst:.3f} s: "
-        + ("within" if worst <= BAR_S else "over")
-        + f" the {BAR_S} s bar (goal {GOAL_S} s)"
-    )
-    ttft = "none (failed)" if long["ttft_s"] is None else f"{long['ttft_s']:.2f} s"
+def verdict(result: dict) -> str:
+    """The longest wait of a running stream while the long prompt prefilled, against #45's bar."""
+    worst = result["phases"]["while"]["max_s"]
+    if worst is None:
+        return "no gap fell in the prefill window (no stream was running: lengthen --lead-s or --max-tokens)"
+    return f"longest wait while it prefilled {worst:.3f} s: {'within' if worst <= BAR_S else 'over'} the {BAR_S} s bar"
+
+
+def report(results: dict[str, dict], skipped: dict[str, str], args: argparse.Namespace) -> str:
     lines = [
-        f"`vlmspec serve --target {args.target} --drafter {args.drafter or '(default)'} --dtype {args.dtype}"
+        f"{args.target}, {args.dtype}; vlmspec serve: --drafter {args.drafter or '(its default)'}"
         + "".join(f" {a}" for a in args.server_args)
-        + f"`; {args.streams} streams of short held-out questions (max_tokens {args.max_tokens}, greedy), "
-        f"then one prompt of {long['prompt_tokens']} tokens (asked for ~{args.long_tokens}); its TTFT {ttft}. "
-        f"{verdict}. Requests answered: {result['requests']}, errors: {len(result['errors'])}.",
+        + f"; {args.streams} streams of short held-out questions (max_tokens {args.max_tokens}, greedy), then one "
+        f"prompt of about {args.long_tokens} tokens; #45's bar: no gap over {BAR_S} s while it prefills "
+        f"(goal {GOAL_S} s)",
         "",
-        markdown_table(
-            ["phase", "gaps", "median s", "p99 s", "max s"],
-            [[p, s["gaps"], s["median_s"], s["p99_s"], s["max_s"]] for p, s in phases.items()],
-            digits=3,
-        ),
-        "",
-        "Per stream, max gap (s) before / while / after:",
-        "",
-        markdown_table(
-            ["stream", *PHASES],
-            [[i + 1, *(s[p]["max_s"] for p in PHASES)] for i, s in enumerate(result["streams"])],
-            digits=3,
-        ),
     ]
-    if result["errors"]:
-        lines += ["", f"First error: {result['errors'][0][:300]}"]
+    for name, result in results.items():
+        long = result["long"]
+        ttft = "none (failed)" if long["ttft_s"] is None else f"{long['ttft_s']:.2f} s"
+        lines.append(
+            f"- {name}: the long prompt's {long['prompt_tokens']} tokens, TTFT {ttft}; {verdict(result)}; "
+            f"{result['requests']} short requests answered, {len(result['errors'])} errors"
+            + (f" (first: {result['errors'][0][:200]})" if result["errors"] else "")
+        )
+    lines += [f"- {name}: not run: {why}" for name, why in skipped.items()]
+    rows = [
+        [name, phase, s["gaps"], s["median_s"], s["p99_s"], s["max_s"]]
+        for name, result in results.items()
+        for phase, s in result["phases"].items()
+    ]
+    per_stream = [
+        [name, i + 1, *(s[p]["max_s"] for p in PHASES)]
+        for name, result in results.items()
+        for i, s in enumerate(result["streams"])
+    ]
+    lines += [
+        "",
+        markdown_table(["engine", "phase", "gaps", "median s", "p99 s", "max s"], rows, digits=3),
+        "",
+        "Per stream, its longest gap (s) before / while / after the prefill:",
+        "",
+        markdown_table(["engine", "stream", *PHASES], per_stream, digits=3),
+    ]
     return "\n".join(lines)
 
 

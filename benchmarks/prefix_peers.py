@@ -49,8 +49,11 @@ class Engine:
 ENGINES = ("vlmspec-serve", "llama-cpp", "vllm")
 
 
-def make_engine(name: str, args: Any, log_dir: Path) -> Engine:
+def make_engine(name: str, args: Any, log_dir: Path, *, context: int = 4096, slots: int | None = None) -> Engine:
     """The :class:`Engine` called ``name`` (one of :data:`ENGINES`) for the run's target, dtype and threads.
+
+    ``context`` is the longest prompt and answer one request may hold (each llama.cpp slot's context,
+    vLLM's ``--max-model-len``); ``slots`` is llama-server's ``-np`` (default ``args.llama_slots``).
 
     Raises ``ValueError`` (with how to fix it) when a peer cannot serve this target, and whatever
     locating llama.cpp or its GGUF raises when it is missing.
@@ -81,7 +84,7 @@ def make_engine(name: str, args: Any, log_dir: Path) -> Engine:
                 threads=args.threads,
                 log_dir=log_dir,
                 extra=["--enable-prefix-caching", *extra] if cache else extra,
-                max_model_len=4096,
+                max_model_len=context,
                 images=True,
             ).launch()
 
@@ -94,7 +97,8 @@ def make_engine(name: str, args: Any, log_dir: Path) -> Engine:
         target = load_target("reference", dtype=args.dtype)
         gguf = llama_cpp_peer.reference_ggufs(target, args.dtype, llama_cpp, quantized=False)[llama_cpp_peer.EXACT]
         del target
-        server_args = llama_cpp_peer.server_args(gguf, args.threads, context=4096 * args.llama_slots)
+        slots = slots or args.llama_slots
+        server_args = llama_cpp_peer.server_args(gguf, args.threads, context=context * slots)
 
         def start_llama(cache: bool) -> PeerProcess:
             return llama_cpp_peer.LlamaServer(
@@ -102,7 +106,7 @@ def make_engine(name: str, args: Any, log_dir: Path) -> Engine:
                 server_args,
                 work_dir=log_dir,
                 name=f"llama-{'warm' if cache else 'cold'}",
-                parallel=args.llama_slots,
+                parallel=slots,
             ).launch()
 
         return Engine(name, start_llama, "cache off", False, lambda cache: {"extra_body": {"cache_prompt": cache}})

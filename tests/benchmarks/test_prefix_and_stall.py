@@ -40,6 +40,9 @@ def test_the_run_summary_uses_the_long_requests_window_and_keeps_errors():
     assert result["long"]["ttft_s"] == 1.0 and result["long"]["prompt_tokens"] == 6000
     assert result["phases"]["while"]["max_s"] == pytest.approx(0.7) and result["phases"]["before"]["gaps"] == 1
     assert result["errors"] == ["boom"] and result["requests"] == 2
+    assert long_prompt_stall.verdict(result) == "longest wait while it prefilled 0.700 s: within the 1.0 s bar"
+    result["phases"]["while"]["max_s"] = None
+    assert long_prompt_stall.verdict(result).startswith("no gap fell in the prefill window")
 
 
 def test_turn_rows_take_warm_over_cold_and_compare_answers():
