@@ -5,7 +5,7 @@ chat endpoint (streamed; the time to first token is the client's, from sending t
 the first content chunk). Greedy (temperature 0), the same messages for every engine; every
 server answers one short unrelated warm-up request before it is timed (first-call costs).
 
-Warm and cold, per engine (:data:`ENGINES` says which in its ``cold`` field):
+Warm and cold, per engine (its :class:`Engine`'s ``cold`` field says which):
 
 * ``vlmspec-serve``: warm is one server that served the earlier turns; cold is a freshly
   started server for every cold request (``vlmspec serve`` has no flag that empties its caches).
@@ -17,8 +17,11 @@ Warm and cold, per engine (:data:`ENGINES` says which in its ``cold`` field):
 * ``vllm``: ``vllm serve`` of vLLM's CPU build (its own venv) with automatic prefix caching on
   for warm; cold is a second server started with ``--no-enable-prefix-caching``.
 
-The chat with an image runs on the engines whose vision path serves this tower (``images`` in
-:data:`ENGINES`); the same chat without the image runs on every engine, so that llama.cpp has a row.
+The chat with an image runs on the engines whose vision path serves this tower (an
+:class:`Engine`'s ``images``); the same chat without the image runs on every engine, so that
+llama.cpp has a row. One warm server per engine (and one cold, where it turns its cache off)
+serves all three scenarios (:func:`run_engine`): vLLM takes minutes to start on 2 cores.
+``benchmarks/long_prompt_stall.py`` starts its peers through :func:`make_engine` too.
 """
 
 from __future__ import annotations
