@@ -8,8 +8,9 @@ with ``--engines`` the same run against ``llama-server`` (``-np`` streams + 1) a
 1. ``--streams`` clients (4) each stream short held-out questions back to back (greedy,
    ``--max-tokens`` each; a client whose answer ends sends its next question), so that
    streams are running throughout;
-2. after ``--lead-s`` seconds one prompt of about ``--long-tokens`` tokens (held-out text
-   repeated) arrives, streamed, asking for ``--long-max-tokens`` tokens;
+2. ``--lead-s`` seconds after every stream has had its first token, one prompt of about
+   ``--long-tokens`` tokens (held-out text repeated) arrives, streamed, asking for
+   ``--long-max-tokens`` tokens;
 3. ``--tail-s`` seconds after its first token, the clients stop (each after the answer it is
    streaming).
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 from collections.abc import Sequence
 
 from benchmarks import prefix_peers
@@ -71,7 +73,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each short request")
     parser.add_argument("--long-tokens", type=int, default=6000, help="the long prompt's length, about, in tokens")
     parser.add_argument("--long-max-tokens", type=int, default=8, help="max_tokens of the long request")
-    parser.add_argument("--lead-s", type=float, default=5.0, help="seconds the streams run before the long prompt")
+    parser.add_argument(
+        "--lead-s",
+        type=float,
+        default=5.0,
+        help="seconds the streams run (after each one's first token) before the long prompt",
+    )
     parser.add_argument("--tail-s", type=float, default=5.0, help="seconds they run after its first token")
     args = parser.parse_args(argv)
     args.drafter = server_drafter(args)
@@ -121,10 +128,12 @@ async def run_window(url: str, questions: list[str], long_prompt: str, args: arg
         while not stop.is_set():
             question = questions[(index + asked * args.streams) % len(questions)]
             body = {"messages": [user(question)], "max_tokens": args.max_tokens, "temperature": 0, **fields}
-            streams[index].append(await stream_chat(client, body))
+            streams[index].append(Timing(time.perf_counter()))  # watched below while it streams
+            await stream_chat(client, body, streams[index][-1])
             asked += 1
 
     tasks = [asyncio.ensure_future(runner(i)) for i in range(args.streams)]
+    await every_stream_running(streams, args.startup_timeout)
     await asyncio.sleep(args.lead_s)
     long_body = {"messages": [user(long_prompt)], "max_tokens": args.long_max_tokens, "temperature": 0, **fields}
     long = await stream_chat(client, long_body)
@@ -133,6 +142,17 @@ async def run_window(url: str, questions: list[str], long_prompt: str, args: arg
     await asyncio.gather(*tasks)
     await client.close()
     return {"long": long, "streams": streams}
+
+
+async def every_stream_running(streams: list[list[Timing]], timeout: float) -> None:
+    """Return once every stream has had its first token (its prefill is behind it), or ``timeout`` seconds passed."""
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        if all(any(t.first_s is not None for t in requests) for requests in streams):
+            return
+        if any(t.error for requests in streams for t in requests):
+            return  # the report counts the error; the window still runs
+        await asyncio.sleep(0.05)
 
 
 def user(text: str) -> dict:

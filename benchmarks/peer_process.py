@@ -215,13 +215,14 @@ class Timing:
         return None if self.first_s is None else self.first_s - self.sent_s
 
 
-async def stream_chat(client, body: dict) -> Timing:
+async def stream_chat(client, body: dict, timing: Timing | None = None) -> Timing:
     """One streamed chat completion through ``client`` (``openai.AsyncOpenAI``), timed; a failure is kept, not raised.
 
     ``body`` holds the request's fields (``messages``, ``max_tokens``, ...; ``extra_body`` for a
-    server's own fields such as llama.cpp's ``cache_prompt``).
+    server's own fields such as llama.cpp's ``cache_prompt``). ``timing``, when given, is filled
+    as the chunks arrive (another task may watch it) and returned.
     """
-    timing = Timing(time.perf_counter())
+    timing = timing or Timing(time.perf_counter())
     try:
         stream = await client.chat.completions.create(
             model=SERVED_MODEL_NAME, stream=True, stream_options={"include_usage": True}, **body
