@@ -21,6 +21,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -34,6 +35,9 @@ from vlmspec.data.pictures import shrink_image, skimage_image  # noqa: F401
 from vlmspec.provenance import provenance, provenance_markdown
 
 T = TypeVar("T")
+
+# MT-Bench's first turns (vlmspec.data.heldout splits off the held-out ones), in the shared data beside the repo.
+MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "mt-bench.jsonl"
 
 # A palette that stays readable in grey print and for common colour-vision deficiencies.
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000")
@@ -219,6 +223,47 @@ def prepare_out_dir(path: str | os.PathLike) -> Path:
         raise ValueError(f"--out {str(path)!r} is a file; give a directory path (it is created if missing)")
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def held_out_prompts_of_length(tokenizer: Any, count: int, tokens: int) -> list[str]:
+    """``count`` different held-out MT-Bench prompts, each repeated to about ``tokens`` tokens of ``tokenizer``."""
+    from vlmspec.data.heldout import held_out_prompts
+
+    texts = held_out_prompts(MT_BENCH)
+    out = []
+    for i in range(count):
+        base = texts[i % len(texts)] + f" (request {i})"
+        repeats = max(1, tokens // max(1, len(tokenizer(base).input_ids)))
+        out.append(" ".join([base] * repeats))
+    return out
+
+
+def add_target_arguments(parser: Any, *, out: str) -> None:
+    """``--target``, ``--dtype``, ``--threads`` and ``--out`` (default ``out``), as every one-target benchmark takes them."""
+    parser.add_argument("--target", default="reference", help="'reference', a Qwen-VL directory, or tiny:FAMILY")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (and the peers' threads)")
+    parser.add_argument("--out", type=Path, default=Path(out))
+
+
+def add_server_arguments(parser: Any) -> None:
+    """``--drafter``, ``--server-args`` and ``--startup-timeout``: how a benchmark starts ``vlmspec serve``.
+
+    Call :func:`server_drafter` after parsing: an unset ``--drafter`` is the reference pair's own for the
+    reference target, else the server's default.
+    """
+    parser.add_argument(
+        "--drafter", default=None, help="vlmspec serve's --drafter (default: 'reference' for the reference target)"
+    )
+    parser.add_argument(
+        "--server-args", type=shlex.split, default=[], help="more vlmspec serve flags, one string (shell quoting)"
+    )
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for a server")
+
+
+def server_drafter(args: Any) -> str | None:
+    """``--drafter``, else ``reference`` for the reference target, else None (the server's own default)."""
+    return args.drafter or ("reference" if args.target == "reference" else None)
 
 
 def peer_logs_dir(out: str | os.PathLike, peer: str) -> Path:

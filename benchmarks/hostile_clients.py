@@ -582,7 +582,7 @@ def markdown(rows: list[dict], args: argparse.Namespace, idle_rss_mib: float) ->
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.common import peer_logs_dir, prepare_out_dir, write_json, write_text
-    from benchmarks.peer_process import PeerProcess
+    from benchmarks.peer_process import vlmspec_serve
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="reference")
@@ -599,12 +599,18 @@ def main(argv: list[str] | None = None) -> int:
     marker = fake_bin / "gs-was-run"
     (fake_bin / "gs").write_text(f"#!/bin/sh\ntouch {marker}\nexit 1\n")  # a Ghostscript that tells on its caller
     (fake_bin / "gs").chmod(0o755)
-    command = [sys.executable, "-m", "vlmspec.cli", "serve", "--target", args.target, "--drafter", args.drafter]
-    command += ["--port", str(args.port), "--api-key", API_KEY]
-    command += ["--max-batch-size", str(args.max_batch_size), "--max-queued", str(args.max_queued)]
+    extra = ["--api-key", API_KEY, "--max-batch-size", str(args.max_batch_size), "--max-queued", str(args.max_queued)]
     env = {**os.environ, "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}"}
-    log_path = peer_logs_dir(out, "servers") / "server-hostile.log"
-    server = PeerProcess("vlmspec", command, port=args.port, log_path=log_path, env=env).launch()
+    server = vlmspec_serve(
+        "server-hostile",
+        target=args.target,
+        dtype="float32",
+        drafter=args.drafter,
+        extra=extra,
+        log_dir=peer_logs_dir(out, "servers"),
+        port=args.port,
+        env=env,
+    ).launch()
     process = server.process
     try:
         server.wait_ready(timeout=900)

@@ -28,25 +28,25 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
-from benchmarks.common import markdown_table, prepare_out_dir, write_json, write_text
-
-# MT-Bench's held-out first turns (vlmspec.data.heldout), where benchmarks/concurrency.py reads them.
-PROMPT_SET = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "mt-bench.jsonl"
+from benchmarks.common import (
+    add_target_arguments,
+    held_out_prompts_of_length,
+    markdown_table,
+    prepare_out_dir,
+    write_json,
+    write_text,
+)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="reference", help="'reference', a Qwen-VL directory, or tiny:FAMILY")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    add_target_arguments(parser, out="runs/kv-memory")
     parser.add_argument("--concurrency", default="8,32", help="comma-separated numbers of concurrent requests")
     parser.add_argument("--prompt-tokens", default="500,2000", help="comma-separated prompt lengths (tokens)")
     parser.add_argument("--budgets", default="unset,256MB", help="comma-separated --kv-cache-memory values or 'unset'")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--check-alone", type=int, default=2, help="requests whose output is compared with alone")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("runs/kv-memory"))
     parser.add_argument("--cell", default=None, help=argparse.SUPPRESS)  # internal: run one cell, print JSON
     return parser.parse_args(argv)
 
@@ -54,19 +54,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def rss_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * resource.getpagesize()
-
-
-def prompts(tokenizer, count: int, tokens: int) -> list[str]:
-    """``count`` different held-out prompts, each repeated to about ``tokens`` tokens."""
-    from vlmspec.data.heldout import held_out_prompts
-
-    texts = held_out_prompts(PROMPT_SET)
-    out = []
-    for i in range(count):
-        base = texts[i % len(texts)] + f" (request {i})"
-        repeats = max(1, tokens // max(1, len(tokenizer(base).input_ids)))
-        out.append(" ".join([base] * repeats))
-    return out
 
 
 def run_cell(args: argparse.Namespace) -> dict:
@@ -80,7 +67,7 @@ def run_cell(args: argparse.Namespace) -> dict:
     concurrency, prompt_tokens, budget = args.cell.split(":", 2)
     memory = None if budget == "unset" else parse_kv_cache_memory(budget)
     target = load_target(args.target, dtype=args.dtype)
-    texts = prompts(target.tokenizer, int(concurrency), int(prompt_tokens))
+    texts = held_out_prompts_of_length(target.tokenizer, int(concurrency), int(prompt_tokens))
     options = {"max_new_tokens": args.max_new_tokens}
     alone = [
         BatchEngine(target).generate_many([{"prompt": t, **options}])[0].token_ids for t in texts[: args.check_alone]

@@ -8,8 +8,8 @@ returns the generated tokens, per-request timings (``prompt_ms``, ``predicted_ms
 ``spec_decode_num_accepted_tokens_per_pos_total{position="k"}`` (steps whose draft k+1 was
 accepted). The server log goes to ``work_dir/<name>.log``.
 
-``LlamaServer`` is one ``llama-server`` process (``-np`` slots; launched, waited for and stopped by
-``benchmarks/peer_process.PeerProcess``) with llama.cpp's client: ``complete`` and
+``LlamaServer`` is one ``llama-server`` process (``-np`` slots; its command line, launch, readiness
+and stop are ``benchmarks/peer_process``'s) with llama.cpp's client: ``complete`` and
 ``stream`` (which also times the first token) answer one prompt; ``run_concurrent`` sends many at
 once to ``-np N`` slots. ``reference_ggufs`` converts the reference target's own language model to
 GGUF in a run's dtype (and Q8_0) once, cached under ``runs/llamacpp-peer/gguf``;
@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peer_process import PeerProcess, free_port
+from benchmarks.peer_process import PeerProcess, free_port, llama_server_command
 
 DEFAULT_LLAMA_CPP = Path(__file__).resolve().parents[1] / "runs" / "llamacpp"
 _PER_POS = re.compile(r'^llamacpp:spec_decode_num_accepted_tokens_per_pos_total\{position="(\d+)"\} (\S+)$', re.M)
@@ -61,7 +61,7 @@ class LlamaServer(PeerProcess):
         port: int | None = None,
     ) -> None:
         port = port or free_port()
-        command = [str(server), *args, "--port", str(port), "--host", "127.0.0.1", "-np", str(parallel), "--metrics"]
+        command = llama_server_command(server, args, port=port, parallel=parallel)
         super().__init__(name, command, port=port, log_path=Path(work_dir) / f"{name}.log")
 
     def complete(

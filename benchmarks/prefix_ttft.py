@@ -1,7 +1,12 @@
 """Time to first token when a request repeats what an earlier one sent: a multi-turn image chat, a shared system prompt.
 
-Issue #45's reuse workloads, through ``vlmspec.serving.BatchEngine`` in this process
-(one request at a time, so a TTFT is the request's own prefill and first token):
+Issue #45's reuse workloads, side by side on several engines (``--engines``). ``vlmspec`` runs
+them through ``vlmspec.serving.BatchEngine`` in this process (one request at a time, so a TTFT is
+the request's own prefill and first token), as described below; ``vlmspec-serve``,
+``llama-cpp`` (``llama-server``, ``cache_prompt``) and ``vllm`` (``vllm serve``, prefix caching
+on) run the same workloads through HTTP servers, each with its own meaning of cold
+(``benchmarks/prefix_peers.py``), and add the same chat without its picture (``text chat``),
+the scenario llama.cpp can run. A peer that cannot start is left out with the reason.
 
 * ``chat``: a ``--turns``-turn chat about one picture (the first held-out MT-Bench prompts as
   the user's turns, each answer appended to the history). Each turn is sent twice, in
@@ -17,37 +22,61 @@ skips the encoder). The target's KV of a repeated prefix is recomputed (prefix c
 not built yet), so ratios near 1 are expected for the system prompt, and for the chat the
 share of the first turn's TTFT the encoder was. Greedy outputs of warm and cold must agree.
 
+Writes ``prefix_ttft.json`` and ``prefix_ttft.md`` (a table per scenario: per turn or request,
+each engine's TTFT and warm / cold or the ratio to the first request) into ``--out``.
+
 ```bash
 python -m benchmarks.prefix_ttft --out runs/prefix-ttft
-python -m benchmarks.prefix_ttft --target tiny:qwen2_vl --turns 3 --requests 3 --system-tokens 200 --out runs/pt-smoke
+python -m benchmarks.prefix_ttft --target tiny:qwen2_vl --engines vlmspec,vlmspec-serve --turns 3 --requests 3 \
+    --system-tokens 200 --max-new-tokens 8 --out runs/pt-smoke
 ```
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
-from benchmarks.common import markdown_table, prepare_out_dir, write_json, write_text
+from benchmarks import prefix_peers
+from benchmarks.common import (
+    MT_BENCH,
+    add_server_arguments,
+    add_target_arguments,
+    log,
+    markdown_table,
+    peer_logs_dir,
+    prepare_out_dir,
+    server_drafter,
+    write_json,
+    write_text,
+)
+from benchmarks.peer_process import PeerNotReady
 
-PROMPT_SET = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "mt-bench.jsonl"
+IN_PROCESS = "vlmspec"  # BatchEngine in this process
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="reference", help="'reference', a Qwen-VL directory, or tiny:FAMILY")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    add_target_arguments(parser, out="runs/prefix-ttft")
+    engines = (IN_PROCESS, *prefix_peers.ENGINES)
+    parser.add_argument("--engines", default=",".join(engines), help=f"comma-separated, any of {', '.join(engines)}")
+    add_server_arguments(parser)  # vlmspec-serve's
+    parser.add_argument("--llama-slots", type=int, default=4, help="llama-server -np (slots that keep a prompt)")
+    parser.add_argument(
+        "--llama-cpp", default=None, help="llama.cpp folder (default: $LLAMA_CPP_DIR, else runs/llamacpp)"
+    )
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--system-tokens", type=int, default=1500)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--picture", default="astronaut", help="a scikit-image picture (held out)")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("runs/prefix-ttft"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.engine_list = [e for e in args.engines.split(",") if e]
+    if not args.engine_list or set(args.engine_list) - set(engines):
+        parser.error(f"--engines takes any of {', '.join(engines)}, got {args.engines!r}")
+    args.drafter = server_drafter(args)
+    return args
 
 
 def ttft(engine, images, messages, max_new_tokens: int) -> tuple[float, list[int]]:
@@ -82,10 +111,18 @@ def chat(engine_of, target, picture, questions: list[str], max_new_tokens: int) 
     return rows
 
 
-def shared_system(engine_of, target, questions: list[str], system_tokens: int, max_new_tokens: int) -> list[dict]:
+def system_text(tokenizer, questions: list[str], system_tokens: int) -> str:
+    """The shared system prompt: the questions' text repeated to about ``system_tokens`` tokens."""
     base = " ".join(questions)
-    repeats = max(1, system_tokens // max(1, len(target.tokenizer(base).input_ids)))
-    system = {"role": "system", "content": [{"type": "text", "text": " ".join([base] * repeats)}]}
+    repeats = max(1, system_tokens // max(1, len(tokenizer(base).input_ids)))
+    return " ".join([base] * repeats)
+
+
+def shared_system(engine_of, target, questions: list[str], system_tokens: int, max_new_tokens: int) -> list[dict]:
+    system = {
+        "role": "system",
+        "content": [{"type": "text", "text": system_text(target.tokenizer, questions, system_tokens)}],
+    }
     engine, rows = engine_of(), []
     for i, question in enumerate(questions):
         messages = [system, {"role": "user", "content": [{"type": "text", "text": question}]}]
@@ -108,30 +145,65 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     out = prepare_out_dir(args.out)
     target = load_target(args.target, dtype=args.dtype)
-    prompts = held_out_prompts(PROMPT_SET)
+    prompts = held_out_prompts(MT_BENCH)
     picture = skimage_image(args.picture)
+    chat_questions = prompts[: args.turns]
+    system_questions = prompts[args.turns : args.turns + args.requests]
+    scenarios: dict[str, dict[str, list[dict]]] = {"image chat": {}, "text chat": {}, "system prompt": {}}
+    skipped: dict[str, str] = {}
 
-    def engine_of() -> BatchEngine:
-        return BatchEngine(target, max_batch_size=1)
+    if IN_PROCESS in args.engine_list:
 
-    chat_rows = chat(engine_of, target, picture, prompts[: args.turns], args.max_new_tokens)
-    system_rows = shared_system(
-        engine_of, target, prompts[args.turns : args.turns + args.requests], args.system_tokens, args.max_new_tokens
+        def engine_of() -> BatchEngine:
+            return BatchEngine(target, max_batch_size=1)
+
+        scenarios["image chat"][IN_PROCESS] = chat(engine_of, target, picture, chat_questions, args.max_new_tokens)
+        scenarios["system prompt"][IN_PROCESS] = shared_system(
+            engine_of, target, system_questions, args.system_tokens, args.max_new_tokens
+        )
+    system = system_text(target.tokenizer, system_questions, args.system_tokens)
+    cold = {}
+    if IN_PROCESS in args.engine_list:
+        cold[IN_PROCESS] = "new BatchEngine over the same target, vision cache emptied"
+    for name in (e for e in args.engine_list if e != IN_PROCESS):
+        try:
+            engine = prefix_peers.make_engine(name, args, peer_logs_dir(out, name))
+            cold[name] = engine.cold
+            log(f"[prefix-ttft] {name}: starting its servers ...")
+            found = prefix_peers.run_engine(engine, picture, chat_questions, system, system_questions, args)
+            for scenario, rows in found.items():
+                scenarios[scenario][name] = rows
+        except (PeerNotReady, RuntimeError, ValueError, OSError) as err:
+            skipped[name] = " ".join(str(err).split())[:600]
+            log(f"[prefix-ttft] {name} left out: {skipped[name]}")
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    write_json(
+        out / "prefix_ttft.json", {"settings": settings, "cold": cold, "skipped": skipped, "scenarios": scenarios}
     )
-    write_json(out / "prefix_ttft.json", {"args": vars(args), "chat": chat_rows, "system": system_rows})
-    table = markdown_table(
-        ["turn", "TTFT warm s", "TTFT cold s", "warm / cold", "same output"],
-        [[r["turn"], r["warm"], r["cold"], r["ratio"], "yes" if r["same"] else "NO"] for r in chat_rows],
-    )
-    table += "\n\n" + markdown_table(
-        ["request", "TTFT s", "/ first"], [[r["request"], r["ttft"], r["ratio_to_first"]] for r in system_rows]
-    )
-    later = [r["ratio_to_first"] for r in system_rows[1:]]
-    if later:
-        table += f"\n\nMedian TTFT ratio of requests 2..{len(system_rows)} to the first: {statistics.median(later):.2f}"
-    write_text(out / "prefix_ttft.md", table)
-    print(table)
+    text = report(scenarios, cold, skipped, args)
+    write_text(out / "prefix_ttft.md", text)
+    print(text)
     return 0
+
+
+def report(scenarios: dict[str, dict[str, list[dict]]], cold: dict[str, str], skipped: dict[str, str], args) -> str:
+    """The markdown: what ran, what cold means per engine, then one table per scenario that has rows."""
+    lines = [
+        f"target {args.target}, {args.dtype}, greedy, {args.max_new_tokens} new tokens; chat: {args.turns} turns "
+        f"(picture {args.picture} in the first), system prompt: about {args.system_tokens} tokens, "
+        f"{args.requests} requests; TTFT from the request to the first token (HTTP engines: the first content chunk)",
+        "",
+        *(f"- {engine}: cold = {how}" for engine, how in cold.items()),
+        *(f"- {engine}: not run: {why}" for engine, why in skipped.items()),
+    ]
+    for scenario, results in scenarios.items():
+        results = {engine: rows for engine, rows in results.items() if rows}
+        if not results:
+            continue
+        table = prefix_peers.system_table if scenario == "system prompt" else prefix_peers.chat_table
+        headers, rows = table(results)
+        lines += ["", f"### {scenario}", "", markdown_table(headers, rows)]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

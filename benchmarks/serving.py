@@ -39,7 +39,7 @@ The reference pair on a CPU (the default)::
 
 A smoke run on a tiny random target::
 
-    python -m benchmarks.serving --target tiny:qwen2_vl --drafter prompt-lookup --concurrency 1,2 \\
+    python -m benchmarks.serving --target tiny:qwen2_vl --drafter prompt-lookup --variants alone,fixed --concurrency 1,2 \\
         --requests 4 --max-tokens 8 --out runs/serving-smoke
 
 The clients run in this process and the servers in theirs; on a small machine they share
@@ -50,14 +50,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import io
 import json
 import os
 import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +72,16 @@ from benchmarks.common import (
     write_text,
 )
 from benchmarks.concurrency import add_workload_arguments, describe_workload, workload
-from benchmarks.peer_process import PeerNotReady, PeerProcess, free_port
-from benchmarks.vllm_peer import DEFAULT_VENV as DEFAULT_VLLM_VENV
+from benchmarks.peer_process import (
+    PeerNotReady,
+    PeerProcess,
+    Timing,
+    image_data_url,
+    openai_client,
+    stream_chat,
+    vllm_serve,
+    vlmspec_serve,
+)
 
 VARIANTS = ("alone", "default", "threshold", "fixed", "prefix", "threshold-capped", "vllm", "llama-cpp")
 PEERS = ("vllm", "llama-cpp")  # other engines: text prompts of the reference target
@@ -129,38 +133,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------------------- servers
-def start_server(variant: str, port: int, args: argparse.Namespace, sps: str | None, out: Path) -> PeerProcess:
-    """The ``variant``'s server process on ``port``, launched (not yet ready: see ``PeerProcess.wait_ready``)."""
-    if variant == "vllm":
-        return start_vllm_server(port, args, out)
+def start_server(variant: str, args: argparse.Namespace, sps: str | None, out: Path) -> PeerProcess:
+    """The ``variant``'s server process, launched (not yet ready: see ``PeerProcess.wait_ready``)."""
+    log_dir = peer_logs_dir(out, "servers")
+    slots = args.max_batch_size or max(args.levels)
+    if variant == "vllm":  # the reference target, text prompts only
+        from vlmspec.reference import reference_target_dir
+
+        extra = ["--max-num-seqs", str(slots)]
+        return vllm_serve(
+            "server-vllm",
+            model=reference_target_dir(),
+            dtype=args.dtype,
+            threads=args.threads,
+            log_dir=log_dir,
+            extra=extra,
+        ).launch()
     if variant == "llama-cpp":
-        return start_llama_server(port, args, out)
-    command = [sys.executable, "-m", "vlmspec.cli", "serve", "--target", args.target, "--dtype", args.dtype]
-    command += ["--drafter", args.drafter, "--threshold", str(args.threshold)] + SCHEDULER_FLAGS[variant]
-    command += ["--sps", sps] if variant == "prefix" else []
-    command += ["--speculate-up-to", str(args.speculate_up_to)] if variant == "threshold-capped" else []
-    command += ["--port", str(port), "--served-model-name", "bench"]
-    command += ["--max-batch-size", str(args.max_batch_size or max(args.levels)), "--max-queued", str(args.requests)]
-    log_path = peer_logs_dir(out, "servers") / f"server-{variant}.log"
-    return PeerProcess(variant, command, port=port, log_path=log_path).launch()
+        return start_llama_server(args, log_dir, slots)
+    extra = ["--threshold", str(args.threshold), *SCHEDULER_FLAGS[variant]]
+    extra += ["--sps", sps] if variant == "prefix" else []
+    extra += ["--speculate-up-to", str(args.speculate_up_to)] if variant == "threshold-capped" else []
+    extra += ["--max-batch-size", str(slots), "--max-queued", str(args.requests)]
+    return vlmspec_serve(  # alone: SCHEDULER_FLAGS' later --drafter none wins
+        f"server-{variant}", target=args.target, dtype=args.dtype, drafter=args.drafter, extra=extra, log_dir=log_dir
+    ).launch()
 
 
-def start_vllm_server(port: int, args: argparse.Namespace, out: Path) -> PeerProcess:
-    """``vllm serve`` of the reference target in vLLM's venv (made on first use), text prompts only."""
-    from benchmarks.vllm_peer import ensure_vllm_venv, vllm_environment
-    from vlmspec.reference import reference_target_dir
-
-    python = ensure_vllm_venv(DEFAULT_VLLM_VENV)
-    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(reference_target_dir())]
-    command += ["--served-model-name", "bench", "--dtype", args.dtype, "--port", str(port), "--max-model-len", "2048"]
-    command += ["--max-num-seqs", str(args.max_batch_size or max(args.levels)), "--seed", "0"]
-    command += ["--gpu-memory-utilization", "0.3"]  # on a CPU: the share of RAM to reserve
-    command += ["--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0})]
-    log_path = peer_logs_dir(out, "servers") / "server-vllm.log"
-    return PeerProcess("vllm", command, port=port, log_path=log_path, env=vllm_environment(args.threads)).launch()
-
-
-def start_llama_server(port: int, args: argparse.Namespace, out: Path) -> PeerProcess:
+def start_llama_server(args: argparse.Namespace, log_dir: Path, slots: int) -> PeerProcess:
     """``llama-server -np N`` on the reference target's GGUF of this dtype (converted once, cached), text prompts."""
     from benchmarks import llama_cpp_peer
     from vlmspec.loading import load_target
@@ -169,12 +169,10 @@ def start_llama_server(port: int, args: argparse.Namespace, out: Path) -> PeerPr
     target = load_target("reference", dtype=args.dtype)  # its own weights and vocabulary, written for the converter
     gguf = llama_cpp_peer.reference_ggufs(target, args.dtype, llama_cpp, quantized=False)[llama_cpp_peer.EXACT]
     del target
-    slots = args.max_batch_size or max(args.levels)
-    server_args = [*llama_cpp_peer.server_args(gguf, args.threads, context=2048 * slots), "--alias", "bench"]
+    server_args = llama_cpp_peer.server_args(gguf, args.threads, context=2048 * slots)
     binary = llama_cpp.binary("llama-server")
-    work_dir = peer_logs_dir(out, "servers")
     return llama_cpp_peer.LlamaServer(
-        binary, server_args, work_dir=work_dir, name="server-llama-cpp", parallel=slots, port=port
+        binary, server_args, work_dir=log_dir, name="server-llama-cpp", parallel=slots
     ).launch()
 
 
@@ -191,24 +189,11 @@ def measured_sps(args: argparse.Namespace, out: Path) -> str:
 
 
 # ---------------------------------------------------------------------------------- clients
-@dataclass
-class Timing:
-    """One request as its client saw it."""
-
-    sent_s: float
-    first_s: float | None = None  # first content chunk
-    done_s: float | None = None
-    completion_tokens: int = 0
-    text: str = ""
-    speculation: dict = field(default_factory=dict)
-    error: str | None = None
-
-
 def chat_requests(args: argparse.Namespace) -> list[dict]:
     """The cell's request bodies: prompt-set questions, every other one an image question (data URL) when mixed."""
     bodies = []
     for task in workload(args, args.requests):
-        parts = [{"type": "image_url", "image_url": {"url": data_url(image)}} for image in task.images]
+        parts = [{"type": "image_url", "image_url": {"url": image_data_url(image)}} for image in task.images]
         parts.append({"type": "text", "text": task.prompt})
         bodies.append(
             dict(
@@ -221,45 +206,16 @@ def chat_requests(args: argparse.Namespace) -> list[dict]:
     return bodies
 
 
-def data_url(image) -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
-async def one_request(client, body: dict) -> Timing:
-    timing = Timing(time.perf_counter())
-    try:
-        stream = await client.chat.completions.create(
-            model="bench", stream=True, stream_options={"include_usage": True}, **body
-        )
-        async for chunk in stream:
-            if chunk.usage is not None:
-                timing.completion_tokens = chunk.usage.completion_tokens
-            for choice in chunk.choices:
-                if choice.delta.content:
-                    timing.first_s = timing.first_s or time.perf_counter()
-                    timing.text += choice.delta.content
-                if choice.finish_reason is not None:
-                    timing.speculation = (chunk.model_extra or {}).get("vlmspec", {})
-    except Exception as err:  # noqa: BLE001 - counted and reported, the other clients go on
-        timing.error = repr(err)
-    timing.done_s = time.perf_counter()
-    return timing
-
-
-async def run_cell(base_url: str, bodies: list[dict], clients: int) -> tuple[float, list[Timing]]:
+async def run_cell(url: str, bodies: list[dict], clients: int) -> tuple[float, list[Timing]]:
     """``clients`` closed-loop clients share the bodies; returns the wall time and each request's timing, in order."""
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=3600)
+    client = openai_client(url)
     timings: list[Timing | None] = [None] * len(bodies)
     queue = list(range(len(bodies)))[::-1]
 
     async def worker() -> None:
         while queue:
             index = queue.pop()
-            timings[index] = await one_request(client, bodies[index])
+            timings[index] = await stream_chat(client, bodies[index])
 
     tick = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(clients)))
@@ -303,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for variant in args.variant_list:
             try:
-                servers[variant] = start_server(variant, free_port(), args, sps, out)
+                servers[variant] = start_server(variant, args, sps, out)
             except (RuntimeError, ValueError, OSError, subprocess.SubprocessError) as err:
                 if variant not in PEERS:
                     raise
@@ -321,13 +277,13 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"{variant} skipped: {err}")
                 servers.pop(variant).stop()
                 continue
-            asyncio.run(run_cell(f"{server.url}/v1", bodies[:2], 2))  # warm-up: first-call costs, both paths
+            asyncio.run(run_cell(server.url, bodies[:2], 2))  # warm-up: first-call costs, both paths
         args.variant_list = [v for v in args.variant_list if v in servers]
         cells = []
         for level in args.levels:
             results = {}
             for variant in run_order(args.variant_list, level):
-                wall_s, timings = asyncio.run(run_cell(f"{servers[variant].url}/v1", bodies, level))
+                wall_s, timings = asyncio.run(run_cell(servers[variant].url, bodies, level))
                 results[variant] = timings
                 cell = {"concurrency": level, "variant": variant, **cell_metrics(wall_s, timings)}
                 cell["texts"] = [t.text for t in timings]  # what "identical" compared
