@@ -46,6 +46,7 @@ class Slots:
         self.tables, self.rows, self.slots = tables, rows, slots  # [R, M], [B], [B] int64
         size = keys[0].shape[2]
         self.blocks, self.offsets = tables[rows, slots // size], slots % size  # [B] each
+        self.native_attention = True  # these steps are a few tokens a row: the kernel's attention
 
     def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer], self.values[layer]

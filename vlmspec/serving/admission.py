@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 # Prompt tokens one step may prefill while other requests decode (at the start of a prompt; later
-# chunks are smaller, see chunk_cost). On the 2-core CPU of this project a text prefill runs at
-# about 900 tokens/s, so a running request's next token waits about 0.3 s for a chunk (plus its
-# own step).
+# chunks are smaller, see chunk_cost). On the 2-core CPU of this project a chunk of the reference
+# target costs about 1.0 ms a token in float32 and 0.4-0.55 in bfloat16 (plus its attention), so a
+# running request's next token waits about 0.25 s (float32) or 0.12 s (bfloat16) for a chunk, plus
+# its own step.
 DEFAULT_MAX_PREFILL_TOKENS = 256
 
 
@@ -43,8 +44,10 @@ def chunk_sizes(
 
 
 # One prompt token's linear layers (projections, MLP) cost about as much as attending over this many
-# earlier tokens, on the reference target on this project's CPU (see docs/design.md §21.4).
-KEYS_PER_TOKEN_COST = 2048
+# earlier tokens: a least-squares fit of chunk times t = a n + b n (before + n / 2) over a 6,470-token
+# prompt in chunks of 128 and 256 gave a / b = 2,320-2,500 (float32) and 2,570-2,780 (bfloat16) on the
+# reference target on the 2-core EPYC (docs/design.md §21.4).
+KEYS_PER_TOKEN_COST = 2500
 
 
 def chunk_cost(tokens: int, before: int) -> float:

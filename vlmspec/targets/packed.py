@@ -71,6 +71,7 @@ class KVSlots(Protocol):
     slots: torch.Tensor  # [B] int64 its slot in that row (it attends slots 0 .. slots[b])
     blocks: torch.Tensor  # [B] int64 the pool block of that slot
     offsets: torch.Tensor  # [B] int64 the slot's offset in the block
+    native_attention: bool  # whether the kernel's attention suits this forward's queries (else the runner's attend)
 
     def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's key and value pools, [N, Hkv, bs, hd] each."""
@@ -222,8 +223,9 @@ class PackedDecoder:
             hidden[vision.index.to(hidden.device)] = vision.embeds.to(hidden.device, hidden.dtype)
         cos, sin = self._rotary(positions, hidden.dtype)
         deepstack = () if vision is None else vision.deepstack
-        # Past MAX_ROWS the linears are ATen's GEMM; deepstack (Qwen3-VL) runs in the Python loop.
-        if self.native is not None and ids.shape[0] <= MAX_ROWS and not deepstack:
+        # Past MAX_ROWS the linears are ATen's GEMM; deepstack (Qwen3-VL) and a prefill chunk's attention (one
+        # SDPA call a row, the runner's attend) run in the Python loop.
+        if self.native is not None and ids.shape[0] <= MAX_ROWS and kv.native_attention and not deepstack:
             hidden, captured = self.native(hidden, cos[:, 0], sin[:, 0], kv, feature_layers)
         else:
             hidden, captured = self._python_layers(hidden, cos, sin, kv, attend, feature_layers, vision)

@@ -59,6 +59,13 @@ from vlmspec.targets.prompts import RowPrompt, VisionEmbeds, as_row_prompt, pack
 
 RAGGED_ATTENTION = "vlmspec_ragged"
 
+# The most queries of one row the kernel's attention (paged_attention) takes in a forward. It reads a
+# row's keys once per query: fine for a decode or verify step, but a 64-token prefill chunk after 6,000
+# tokens read them 64 times (47 ms a layer in float32 on the 2-core EPYC, 11 in bfloat16). Wider pieces
+# run attend_rows, one SDPA call a row, which reads each key once for all of the row's queries (6 and 4
+# ms; SDPA is ahead from 8 queries in float32, from about 32 in bfloat16).
+KERNEL_ATTENTION_MAX_QUERIES = 16
+
 
 @dataclass
 class RaggedStep:
@@ -451,7 +458,7 @@ class RaggedBatch:
                 self.clear_prefix_cache()
                 self._weights_cached = self._decoder
         decoder = self._decoder
-        if attention_applies(self.pool.keys[0], decoder.head_dim):
+        if cache.native_attention and attention_applies(self.pool.keys[0], decoder.head_dim):
             tables, rows, visible = cache.tables, cache.rows, cache.slots + 1  # [R, M], [B], [B] on the pool's device
 
             def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -614,6 +621,8 @@ class _RaggedCache:
         self.rows, self.slots = layout.rows.to(device), layout.slots.to(device)  # [B], [B]
         self.tables = layout.tables.to(device)  # [R, M]
         self.blocks, self.offsets = layout.blocks.to(device), layout.block_offsets.to(device)  # [B], [B]
+        # Decode and verify steps (a few queries a row) suit the kernel's attention; a prefill chunk does not.
+        self.native_attention = layout.width <= KERNEL_ATTENTION_MAX_QUERIES
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value_states: [1, Hkv, B, hd] of the packed tokens; returns this layer's whole pools."""
@@ -661,9 +670,15 @@ def attend_rows(
     layout: _Layout,
     scaling: float | None,
 ) -> torch.Tensor:  # [B, H, hd]
-    """Each row's queries over its own valid slots (gathered through its block table), padded for one SDPA call."""
+    """Each row's queries over its own valid slots (gathered through its block table), padded for one SDPA call.
+
+    Past ``KERNEL_ATTENTION_MAX_QUERIES`` queries a row (a prefill), one call a row with queries
+    instead: the padding would hold every row to the longest piece and the longest row.
+    """
     heads, dim = query.shape[1], query.shape[2]
     rows, width = layout.num_rows, layout.width
+    if width > KERNEL_ATTENTION_MAX_QUERIES:
+        return _attend_each_row(query, key, value, layout, scaling)
     key, value = _row_slots(key, layout), _row_slots(value, layout)  # [R, Hkv, S, hd]
     if rows == 1:
         # One row: its packed tokens are already its padded ones, and a lone query sees every slot.
@@ -684,6 +699,38 @@ def attend_rows(
         padded, key, value, attn_mask=layout.mask, scale=scaling, enable_gqa=heads != key.shape[1]
     )  # [R, H, W, hd]
     return out.transpose(1, 2).reshape(rows * width, heads, dim)[padded_index]
+
+
+def _attend_each_row(
+    query: torch.Tensor,  # [B, H, hd] packed, rotated queries (row after row)
+    key: torch.Tensor,  # [N, Hkv, bs, hd] one layer's key pool (new keys written)
+    value: torch.Tensor,  # [N, Hkv, bs, hd]
+    layout: _Layout,
+    scaling: float | None,
+) -> torch.Tensor:  # [B, H, hd]
+    """One SDPA call for each row with queries: its piece over its slots up to the piece's last one."""
+    size, device = key.shape[2], query.device
+    out = torch.empty_like(query)
+    rows, counts = torch.unique_consecutive(layout.rows, return_counts=True)
+    first = 0
+    for row, count in zip(rows.tolist(), counts.tolist(), strict=True):
+        piece = slice(first, first + count)
+        visible = layout.slots[piece] + 1  # [n] each query sees its row's slots before its own, and its own
+        seen = int(visible[-1])  # a piece's slots increase: the last query sees the most
+        blocks = layout.tables[row, : -(-seen // size)].to(device)  # [m] the row's blocks holding them
+        row_keys = key[blocks].transpose(0, 1).flatten(1, 2)[:, :seen]  # [Hkv, S, hd]
+        row_values = value[blocks].transpose(0, 1).flatten(1, 2)[:, :seen]
+        mask = (torch.arange(seen) < visible[:, None]).to(device)  # [n, S]
+        out[piece] = F.scaled_dot_product_attention(
+            query[piece].transpose(0, 1)[None],  # [1, H, n, hd]
+            row_keys[None],
+            row_values[None],
+            attn_mask=mask,
+            scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1],
+        )[0].transpose(0, 1)
+        first += count
+    return out
 
 
 def _row_slots(pool: torch.Tensor, layout: _Layout) -> torch.Tensor:  # [N, Hkv, bs, hd] -> [R, Hkv, S, hd]
