@@ -17,10 +17,12 @@ the scenario llama.cpp can run. A peer that cannot start is left out with the re
   tokens (held-out text repeated), each with a different question. Reported: each request's
   TTFT and its ratio to the first's.
 
-What reuses work today: the vision tower's output cache (a later turn about the same picture
-skips the encoder). The target's KV of a repeated prefix is recomputed (prefix caching is
-not built yet), so ratios near 1 are expected for the system prompt, and for the chat the
-share of the first turn's TTFT the encoder was. Greedy outputs of warm and cold must agree.
+What reuses work: the prefix cache (a warm request takes the full KV blocks an earlier one
+computed, keyed by tokens, positions and image content, and computes only the rest:
+docs/design.md §21.4) and the vision tower's output cache (a later turn about the same picture
+skips the encoder). Issue #45's bars: turns 3-5 of the chat at most 0.5x cold (goal 0.2x),
+requests behind the system prompt at most 0.4x the first. Greedy outputs of warm and cold
+must agree.
 
 Writes ``prefix_ttft.json`` and ``prefix_ttft.md`` (a table per scenario: per turn or request,
 each engine's TTFT and warm / cold or the ratio to the first request) into ``--out``.
