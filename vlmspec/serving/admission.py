@@ -5,7 +5,8 @@ four running streams for 15.9 s on this project's 2-core CPU. While requests dec
 step therefore prefills at most a budget of prompt tokens: the prompts in the batch take
 their next chunks in order, a long one over many steps, and a waiting request joins only
 while some of the budget is left. Decoding goes on between the chunks. With nothing
-decoding there is nothing to stall, and every prompt runs whole.
+decoding there is nothing to stall, and a step prefills up to ``IDLE_PREFILL_TOKENS``, a
+bound on one forward's activations rather than on anyone's wait.
 """
 
 from __future__ import annotations
@@ -18,6 +19,20 @@ from collections.abc import Sequence
 # running request's next token waits about 0.25 s (float32) or 0.12 s (bfloat16) for a chunk, plus
 # its own step.
 DEFAULT_MAX_PREFILL_TOKENS = 256
+
+# Prompt tokens one step may prefill while nothing decodes. Unbounded, 32 requests of 2,000 tokens
+# arriving together ran as one 64,000-token forward whose activations raised the RSS by 4.4 GB on top
+# of their 2.8 GB of KV (benchmarks/kv_memory.py, reference target, float32); 4,096 tokens hold that to
+# about 0.3 GB, and chunks this long run at the whole prompt's speed (the GEMMs are long either way).
+IDLE_PREFILL_TOKENS = 4096
+
+
+def step_budget(max_prefill_tokens: int | None, decoding: bool) -> int | None:
+    """Prompt tokens (in :func:`chunk_cost`) one step may prefill: ``max_prefill_tokens`` while requests decode,
+    ``IDLE_PREFILL_TOKENS`` (or more, if that is larger) while none does; None: no bound at all."""
+    if max_prefill_tokens is None:
+        return None
+    return max_prefill_tokens if decoding else max(max_prefill_tokens, IDLE_PREFILL_TOKENS)
 
 
 def chunk_sizes(

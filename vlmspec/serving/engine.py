@@ -10,8 +10,8 @@ Each :meth:`BatchEngine.step`:
    (:meth:`QwenVLTarget.row_prompt`), each new row starts from what the prefix cache holds of
    its prompt (:meth:`RaggedBatch.open`), and the prompts' next pieces, text and images
    alike, run in one packed forward that writes their KV straight into their rows
-   (:meth:`RaggedBatch.extend`): whole prompts when nothing decodes, else chunks within
-   ``max_prefill_tokens`` (:mod:`vlmspec.serving.admission`); a prompt now complete draws
+   (:meth:`RaggedBatch.extend`): chunks within ``max_prefill_tokens`` while requests decode,
+   within ``IDLE_PREFILL_TOKENS`` when none does (:mod:`vlmspec.serving.admission`); a prompt now complete draws
    its first token;
 2. runs one step of the step API for all running requests: one drafter call
    (``decoder.propose``), one scheduler call on the [R, gamma] confidences
@@ -57,7 +57,13 @@ import torch
 from vlmspec.drafters.base import Proposer
 from vlmspec.loading import load_proposer, load_target
 from vlmspec.scheduling.base import Scheduler
-from vlmspec.serving.admission import DEFAULT_MAX_PREFILL_TOKENS, chunk_cost, chunk_sizes, largest_chunk
+from vlmspec.serving.admission import (
+    DEFAULT_MAX_PREFILL_TOKENS,
+    chunk_cost,
+    chunk_sizes,
+    largest_chunk,
+    step_budget,
+)
 from vlmspec.serving.memory import blocks_needed, kv_budget_bytes
 from vlmspec.serving.requests import (
     GeneratorStates,
@@ -124,7 +130,8 @@ class BatchEngine:
     ``generate_many`` does the loop for a list of requests. Without a proposer the engine
     batches the target alone (one token per request per step) through the same code.
     ``max_prefill_tokens`` bounds the prompt tokens one step prefills while requests run
-    (None: no bound), so prefills interleave with decode steps instead of stalling them.
+    (None: no bound, not even on an idle step's), so prefills interleave with decode steps
+    instead of stalling them.
     ``kv_cache_memory`` bounds the runner's KV pool: bytes, a fraction of RAM, or None (half
     the RAM available at start); a request is admitted when its prompt's KV blocks fit, a running
     one that runs short is preempted and recomputed later (see :mod:`vlmspec.serving.memory`), and
@@ -329,14 +336,15 @@ class BatchEngine:
         While requests decode, one call prefills at most ``max_prefill_tokens`` prompt tokens
         (chunked prefill): prompts are taken in order, a long one in chunks over several
         calls, so the decoding requests never wait for a whole long prompt. With nothing
-        decoding there is nothing to stall, and every prompt that fits runs whole. A waiting
+        decoding there is nothing to stall: a call prefills up to ``IDLE_PREFILL_TOKENS``,
+        which bounds one forward's activations (:func:`~vlmspec.serving.admission.step_budget`). A waiting
         request joins (takes a row) when the batch has room, its KV fits the budget and
         some of this call's tokens are left for it; its prompt starts from whatever the prefix
         cache holds of it. All pieces of a call share one packed forward of the runner.
         Returns a :class:`StepOutput` for each request whose prompt is complete now (its
         first token) or whose prefill failed.
         """
-        budget = None if not any(not e.prefilling for e in self._running) else self.max_prefill_tokens
+        budget = step_budget(self.max_prefill_tokens, decoding=any(not e.prefilling for e in self._running))
         chunks = self._next_chunks(budget)
         left = None
         if budget is not None:
