@@ -47,3 +47,21 @@ def test_a_weight_changed_since_packing_is_packed_again():
         expected = model(x)
         with fast:
             torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_past_the_kernels_limit_go_to_atens_gemm_with_the_same_values(dtype):
+    from vlmspec.kernels.linear import PackedLinear
+
+    limit = cpu_kernels.kernel_max_rows(dtype)
+    amx = dtype == torch.bfloat16 and cpu_kernels.cpu_has_amx_bf16()
+    assert limit == (cpu_kernels.AMX_BF16_MAX_ROWS if amx else cpu_kernels.MAX_ROWS)
+    torch.manual_seed(0)
+    weight, bias = torch.randn(40, 48).to(dtype), torch.randn(40).to(dtype)
+    linear = PackedLinear([weight], [bias])
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    for rows in (1, limit, limit + 1):
+        x = torch.randn(rows, 48).to(dtype)
+        expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+        torch.testing.assert_close(linear(x).float(), expected, atol=tolerance, rtol=tolerance)

@@ -239,14 +239,15 @@ def test_image_and_text_prompts_prefill_together_as_if_alone(make_target, family
         target.decode = "fast"
 
 
-def test_a_short_image_prefill_runs_the_native_layer_loop(make_target, astronaut):
-    """An image prompt of at most MAX_ROWS tokens takes the one-call layer loop where it applies, M-RoPE included."""
-    from vlmspec.kernels.cpu_kernels import MAX_ROWS
+def test_an_image_prompt_in_narrow_pieces_runs_the_native_layer_loop(make_target, astronaut):
+    """Pieces of at most KERNEL_ATTENTION_MAX_QUERIES tokens take the one-call layer loop where it applies, M-RoPE
+    included (wider pieces attend with one SDPA call a row, in the Python loop)."""
+    from vlmspec.targets.ragged import KERNEL_ATTENTION_MAX_QUERIES as WIDTH
 
     target = make_target("qwen2_5_vl")
     inputs = target.build_inputs(astronaut.resize((64, 64)), "What is it?")
-    assert inputs.length <= MAX_ROWS
     prompt = target.row_prompt(inputs)
+    assert prompt.length > WIDTH
     _, single = target.prefill(inputs, feature_layers=LAYERS)
     decoder = target.packed_decoder()
     native = decoder.native
@@ -254,14 +255,19 @@ def test_a_short_image_prefill_runs_the_native_layer_loop(make_target, astronaut
     for loop in (native, None):  # the native loop if this machine has it, then the Python loop
         decoder.native = loop
         try:
-            results.append(RaggedBatch(target, feature_layers=LAYERS).prefill([prompt])[0])
+            batch = RaggedBatch(target, feature_layers=LAYERS)
+            batch.open([prompt])
+            for start in range(0, prompt.length, WIDTH):
+                (last,) = batch.extend([0], [prompt.piece(start, min(start + WIDTH, prompt.length))])
+            results.append((last.logits, batch.features_of(0, prompt.length)))
         finally:
             decoder.native = native
-    for step in results:
-        torch.testing.assert_close(step.logits, single.logits, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(step.features, single.features, atol=1e-4, rtol=1e-4)
+    for logits, features in results:
+        torch.testing.assert_close(logits, single.logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(features, single.features, atol=1e-4, rtol=1e-4)
     if native is not None:
-        assert torch.equal(results[0].logits, results[1].logits)  # the same kernels in the same order
+        assert torch.equal(results[0][0], results[1][0])  # the same kernels in the same order
+        assert torch.equal(results[0][1], results[1][1])
 
 
 def test_qwen3_vl_deepstack_embeddings_reach_the_prefill(make_target, astronaut):

@@ -91,10 +91,35 @@ HEADER = Path(__file__).with_name("cpu_common.h")
 # bfloat16 252 against 1,051). Past that, products become compute bound and a GEMM library
 # is the tool it was built for (large batches of requests, prefill).
 MAX_ROWS = 64
+# Where the CPU has AMX-BF16 (Intel Xeon from Sapphire Rapids on), oneDNN runs ATen's bfloat16 GEMM
+# on the tile unit, and it overtakes the kernel early. Measured on such a 2-core Xeon, one thread, a
+# [3072, 576] weight: the kernel 0.26 / 0.50 / 1.96 ms at 8 / 16 / 64 rows, ATen 0.26 / 0.26 / 0.42;
+# the LM head [49152, 576]: 5.2 / 8.7 / 36 against 4.3 / 4.4 / 8.2 (at one row the kernel still
+# wins: 2.1 against 3.9). A whole step also loses the native layer loop past the limit, so the
+# crossover is later: a verify of the reference target (bfloat16, about 250 tokens of context, two
+# threads, a loaded machine) took 22.7 / 34.5 / 58.5 ms with the kernel for 9 / 16 / 32 tokens, and
+# 32.5 / 40.1 / 45.4 ms with ATen's GEMM in the Python loop. float32 has no tile path: the kernel
+# stays ahead to 64 rows there too.
+AMX_BF16_MAX_ROWS = 16
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 # No contraction of a * b + c into one FMA outside the explicit intrinsics: rms_norm and
 # rope_write must round as transformers' separate tensor ops do.
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off")
+
+
+def kernel_max_rows(dtype: torch.dtype) -> int:
+    """The most rows the kernel's linears (and the native step) take in ``dtype`` here; past them ATen's GEMM."""
+    return AMX_BF16_MAX_ROWS if dtype == torch.bfloat16 and cpu_has_amx_bf16() else MAX_ROWS
+
+
+@functools.cache
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU has AMX-BF16 tiles (read from Linux's /proc/cpuinfo; False where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return any(line.startswith("flags") and " amx_bf16" in line for line in info)
+    except OSError:
+        return False
 
 
 def kernel_applies(weight: torch.Tensor) -> bool:

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmspec.kernels.cpu_kernels import (
-    MAX_ROWS,
     kernel_applies,
+    kernel_max_rows,
     pack_weight,
     packed_linear,
     packing_applies,
@@ -42,14 +42,15 @@ class PackedLinear:
     ``backend`` is chosen once:
 
     * ``"packed"``: vlmspec's AVX-512 kernel over a copy of ``W`` in its packed layout
-      (16 outputs per vector; bfloat16 through AVX512-BF16), for up to ``MAX_ROWS`` rows;
+      (16 outputs per vector; bfloat16 through AVX512-BF16), for up to ``max_rows`` rows;
     * ``"kernel"``: vlmspec's AVX2 matrix-vector kernel (:mod:`vlmspec.targets.cpu_kernels`)
-      over the fused weight as stored, float32 or bfloat16, for up to ``MAX_ROWS`` rows;
+      over the fused weight as stored, float32 or bfloat16, for up to ``max_rows`` rows;
     * ``"onednn"``: the weight reordered once for oneDNN (a CPU without the kernel);
     * ``"aten"``: plain ``F.linear`` (GPUs, bfloat16 on a CPU without native bfloat16).
 
-    More rows than ``MAX_ROWS`` (a wide batch) go through ATen's GEMM, which is the better
-    tool there, over the model's own weights.
+    More rows than ``max_rows`` (a wide batch; :func:`~vlmspec.kernels.cpu_kernels.kernel_max_rows`:
+    64, or 16 in bfloat16 on a CPU with AMX) go through ATen's GEMM, which is the better tool
+    there, over the model's own weights.
     """
 
     def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> None:
@@ -60,6 +61,7 @@ class PackedLinear:
             self.bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in self.parts])  # [N]
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
+        self.max_rows = kernel_max_rows(weight.dtype)
         if packing_applies(weight):
             self.backend, self.weight = "packed", pack_weight(weight)
         elif kernel_applies(weight):
@@ -71,10 +73,10 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [B, K] -> [B, N]
         if self.backend == "packed":
-            if x.shape[0] <= MAX_ROWS:
+            if x.shape[0] <= self.max_rows:
                 return packed_linear(x, self.weight, self.out_features, self.bias)
             return torch.cat([F.linear(x, w, b) for w, b in self.parts], dim=-1)
-        if self.backend == "kernel" and x.shape[0] <= MAX_ROWS:
+        if self.backend == "kernel" and x.shape[0] <= self.max_rows:
             return skinny_linear(x, self.weight, self.bias)
         if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")

@@ -33,7 +33,7 @@ bandwidth; elsewhere through oneDNN's reordered weights or ATen
   (:func:`vlmspec.kernels.cpu_kernels.decoder_layers`): the same kernels in the same order,
   so the same logits, features and KV bit for bit, without the dozen Python-level calls a
   layer costs (:attr:`PackedDecoder.native`, decided once when packing). Everything else
-  (Qwen3-VL, other CPUs, more than ``MAX_ROWS`` tokens) runs the Python loop.
+  (Qwen3-VL, other CPUs, more tokens than the kernel's linears take) runs the Python loop.
 
 It computes what transformers computes up to float rounding (the products sum in another
 order): greedy outputs agree except at numerical ties, which the benchmarks count. The
@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlmspec.kernels.cpu_kernels import MAX_ROWS, decoder_layers, kernel_applies, rms_norm, rope_write, silu_mul
+from vlmspec.kernels.cpu_kernels import decoder_layers, kernel_applies, kernel_max_rows, rms_norm, rope_write, silu_mul
 from vlmspec.kernels.linear import PackedLinear, fused_linear
 from vlmspec.targets.families import language_model, model_spec, rope_components
 from vlmspec.targets.prompts import VisionEmbeds
@@ -223,9 +223,10 @@ class PackedDecoder:
             hidden[vision.index.to(hidden.device)] = vision.embeds.to(hidden.device, hidden.dtype)
         cos, sin = self._rotary(positions, hidden.dtype)
         deepstack = () if vision is None else vision.deepstack
-        # Past MAX_ROWS the linears are ATen's GEMM; deepstack (Qwen3-VL) and a prefill chunk's attention (one
-        # SDPA call a row, the runner's attend) run in the Python loop.
-        if self.native is not None and ids.shape[0] <= MAX_ROWS and kv.native_attention and not deepstack:
+        # Past kernel_max_rows the linears are ATen's GEMM; deepstack (Qwen3-VL) and a prefill chunk's attention
+        # (one SDPA call a row, the runner's attend) run in the Python loop.
+        wide = ids.shape[0] > kernel_max_rows(hidden.dtype)
+        if self.native is not None and not wide and kv.native_attention and not deepstack:
             hidden, captured = self.native(hidden, cos[:, 0], sin[:, 0], kv, feature_layers)
         else:
             hidden, captured = self._python_layers(hidden, cos, sin, kv, attend, feature_layers, vision)
