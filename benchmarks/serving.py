@@ -115,9 +115,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-batch-size", type=int, default=None, help="the servers' (default: the top level)")
     parser.add_argument(
-        "--serve-args",
-        default="",
-        help="more flags for every vlmspec serve variant, one string (e.g. '--max-prefill-tokens 512')",
+        "--server-args",
+        type=shlex.split,
+        default=[],
+        help="more vlmspec serve flags for every vlmspec variant, one string (shell quoting), as other benchmarks",
     )
     add_workload_arguments(parser)
     parser.add_argument("--threads", type=int, default=2, help="vLLM's and llama.cpp's threads (their variants)")
@@ -160,7 +161,7 @@ def start_server(variant: str, args: argparse.Namespace, sps: str | None, out: P
     extra = ["--threshold", str(args.threshold), *SCHEDULER_FLAGS[variant]]
     extra += ["--sps", sps] if variant == "prefix" else []
     extra += ["--speculate-up-to", str(args.speculate_up_to)] if variant == "threshold-capped" else []
-    extra += ["--max-batch-size", str(slots), "--max-queued", str(args.requests), *shlex.split(args.serve_args)]
+    extra += ["--max-batch-size", str(slots), "--max-queued", str(args.requests), *args.server_args]
     return vlmspec_serve(  # alone: SCHEDULER_FLAGS' later --drafter none wins
         f"server-{variant}", target=args.target, dtype=args.dtype, drafter=args.drafter, extra=extra, log_dir=log_dir
     ).launch()
