@@ -13,8 +13,18 @@ Expected (issue #45): unset, the rise grows with C x L (every request's blocks a
 with a budget, it stays within the budget plus the activations, requests wait for blocks
 (``most running`` drops), and outputs equal the requests' own.
 
+``--through-server`` runs each cell through ``vlmspec serve --kv-cache-memory`` instead (the
+reference pair's drafter for the reference target, the server's other defaults): C clients
+send their requests at once over HTTP, and the server's RSS is sampled every 50 ms from
+before the burst to its end. Each request ends as ``done`` (its answer; the first
+``--check-alone`` are compared with the same request sent alone afterwards), ``429`` (and
+whether it carried ``Retry-After``), ``400`` (refused: can never fit), another error, or
+``hung`` (no answer within ``--request-timeout``).
+
 ```bash
 python -m benchmarks.kv_memory --out runs/kv-memory                      # reference target
+python -m benchmarks.kv_memory --through-server --concurrency 32 --prompt-tokens 2000 --budgets 256MB \
+    --out runs/kv-memory-serve
 python -m benchmarks.kv_memory --target tiny:qwen2_vl --concurrency 4 --prompt-tokens 200 --out runs/kv-smoke
 ```
 """
@@ -22,18 +32,23 @@ python -m benchmarks.kv_memory --target tiny:qwen2_vl --concurrency 4 --prompt-t
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import resource
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
 from benchmarks.common import (
+    add_server_arguments,
     add_target_arguments,
     held_out_prompts_of_length,
     markdown_table,
+    peer_logs_dir,
     prepare_out_dir,
+    server_drafter,
     write_json,
     write_text,
 )
@@ -47,6 +62,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budgets", default="unset,256MB", help="comma-separated --kv-cache-memory values or 'unset'")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--check-alone", type=int, default=2, help="requests whose output is compared with alone")
+    parser.add_argument("--through-server", action="store_true", help="each cell through vlmspec serve (HTTP)")
+    parser.add_argument("--request-timeout", type=float, default=1800.0, help="seconds before a request counts as hung")
+    add_server_arguments(parser)
     parser.add_argument("--cell", default=None, help=argparse.SUPPRESS)  # internal: run one cell, print JSON
     return parser.parse_args(argv)
 
@@ -105,12 +123,123 @@ def run_cell(args: argparse.Namespace) -> dict:
     }
 
 
+class RssMeter:
+    """The peak resident memory of a process, sampled every ``period`` seconds on a thread of this one."""
+
+    def __init__(self, pid: int, period: float = 0.05) -> None:
+        import psutil
+
+        self.process, self.period = psutil.Process(pid), period
+        self.before = self.peak = self.process.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.period):
+            self.peak = max(self.peak, self.process.memory_info().rss)
+
+    def __enter__(self) -> RssMeter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.process.memory_info().rss)
+
+
+async def send(client, text: str, max_tokens: int, timeout: float) -> dict:
+    """One greedy chat completion: how it ended (done, 429, 400, error, hung), its text, a 429's Retry-After."""
+    import openai
+
+    from benchmarks.peer_process import SERVED_MODEL_NAME
+
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0.0}
+    try:
+        reply = await asyncio.wait_for(client.chat.completions.create(model=SERVED_MODEL_NAME, **body), timeout)
+    except asyncio.TimeoutError:
+        return {"end": "hung"}
+    except openai.APIStatusError as err:
+        end = str(err.status_code) if err.status_code in (400, 429) else f"error {err.status_code}"
+        return {"end": end, "retry_after": err.response.headers.get("retry-after")}
+    except Exception as err:  # noqa: BLE001 - counted: the other clients go on
+        return {"end": f"error {type(err).__name__}"}
+    return {"end": "done", "text": reply.choices[0].message.content}
+
+
+def run_server_cell(args: argparse.Namespace, concurrency: int, prompt_tokens: int, budget: str) -> dict:
+    """C requests at once against ``vlmspec serve`` with ``--kv-cache-memory budget``: their ends and the peak RSS."""
+    from benchmarks.peer_process import openai_client, vlmspec_serve
+    from vlmspec.loading import load_target
+
+    texts = held_out_prompts_of_length(load_target(args.target, dtype=args.dtype).tokenizer, concurrency, prompt_tokens)
+    extra = [] if budget == "unset" else ["--kv-cache-memory", budget]
+    server = vlmspec_serve(
+        f"kv-memory-{concurrency}-{prompt_tokens}-{budget}", target=args.target, dtype=args.dtype,
+        drafter=server_drafter(args), extra=[*extra, *args.server_args], log_dir=peer_logs_dir(args.out, "vlmspec"),
+    )  # fmt: skip
+    with server.start(timeout=args.startup_timeout):
+        meter = RssMeter(server.process.pid)
+        replies, alone, wall = asyncio.run(burst_then_alone(openai_client(server.url), texts, meter, args))
+    ends = [r["end"] for r in replies]
+    checked = [(r, a) for r, a in zip(replies, alone) if r["end"] == "done" and a["end"] == "done"]
+    return {
+        "concurrency": concurrency,
+        "prompt_tokens": prompt_tokens,
+        "budget": budget,
+        "ends": {end: ends.count(end) for end in sorted(set(ends))},
+        "retry_after_on_every_429": all(r.get("retry_after") for r in replies if r["end"] == "429"),
+        "peak_rss_rise_mib": (meter.peak - meter.before) / 2**20,
+        "wall_s": wall,
+        "same_as_alone": all(r["text"] == a["text"] for r, a in checked),
+        "compared_with_alone": len(checked),
+    }
+
+
+async def burst_then_alone(
+    client, texts: Sequence[str], meter: RssMeter, args: argparse.Namespace
+) -> tuple[list[dict], list[dict], float]:
+    """A warm-up request, then every text at once (metered), then the first ``--check-alone`` each alone."""
+    await send(client, "Hello.", 4, args.request_timeout)  # the first request's one-time costs, before the meter
+    with meter:
+        tick = time.perf_counter()
+        replies = await asyncio.gather(*(send(client, t, args.max_new_tokens, args.request_timeout) for t in texts))
+        wall = time.perf_counter() - tick
+    alone = [await send(client, t, args.max_new_tokens, args.request_timeout) for t in texts[: args.check_alone]]
+    return list(replies), alone, wall
+
+
+def server_table(cells: list[dict]) -> str:
+    headers = ["C", "prompt tokens", "budget", "ends", "429s with Retry-After", "peak RSS rise MiB", "wall s"]
+    headers.append("same as alone (compared)")
+    rows = [
+        [
+            c["concurrency"], c["prompt_tokens"], c["budget"], ", ".join(f"{k} {v}" for k, v in c["ends"].items()),
+            "yes" if c["retry_after_on_every_429"] else "NO", c["peak_rss_rise_mib"], c["wall_s"],
+            f"{'yes' if c['same_as_alone'] else 'NO'} ({c['compared_with_alone']})",
+        ]
+        for c in cells
+    ]  # fmt: skip
+    return markdown_table(headers, rows)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.cell is not None:
         print(json.dumps(run_cell(args)))
         return 0
     out = prepare_out_dir(args.out)
+    if args.through_server:
+        cells = []
+        for concurrency in args.concurrency.split(","):
+            for tokens in args.prompt_tokens.split(","):
+                for budget in args.budgets.split(","):
+                    cells.append(run_server_cell(args, int(concurrency), int(tokens), budget))
+                    print(f"[kv-memory] {cells[-1]}", file=sys.stderr)
+        write_json(out / "kv_memory.json", {"args": vars(args), "cells": cells})
+        write_text(out / "kv_memory.md", server_table(cells))
+        print(server_table(cells))
+        return 0
     cells = []
     for concurrency in args.concurrency.split(","):
         for tokens in args.prompt_tokens.split(","):
