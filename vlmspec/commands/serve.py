@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from vlmspec.commands.options import build_engine, integer, target_options
+from vlmspec.commands.options import build_engine, integer, number, target_options
 from vlmspec.server.limits import RequestLimits
-from vlmspec.serving.admission import DEFAULT_MAX_PREFILL_TOKENS
+from vlmspec.serving.admission import DEFAULT_PREFILL_STEP_S
 from vlmspec.serving.memory import parse_kv_cache_memory
 from vlmspec.targets.inputs import ImageLimits
 
@@ -46,11 +46,18 @@ def add_serve(commands) -> None:
         "draft). On a CPU, where a big batch is compute-bound, 1-2 keeps serving at the target alone's speed",
     )
     p.add_argument(
+        "--prefill-step-s",
+        type=number(0, above=True),
+        default=DEFAULT_PREFILL_STEP_S,
+        help="while requests decode, a step prefills as much prompt as this many seconds allow at the prefill speed "
+        "the server measures on its own steps: a long prompt runs in chunks between decode steps instead of "
+        f"stalling them (default: {DEFAULT_PREFILL_STEP_S})",
+    )
+    p.add_argument(
         "--max-prefill-tokens",
         type=integer(1),
-        default=DEFAULT_MAX_PREFILL_TOKENS,
-        help="prompt tokens one step prefills while requests decode: a long prompt runs in chunks of this size "
-        f"between decode steps instead of stalling them (default: {DEFAULT_MAX_PREFILL_TOKENS})",
+        default=None,
+        help="a fixed number of prompt tokens a step prefills while requests decode, instead of --prefill-step-s",
     )
     p.add_argument(
         "--no-prefix-caching",
@@ -174,6 +181,7 @@ def _run_serve(args) -> int:
         BatchEngine,
         max_batch_size=args.max_batch_size,
         speculate_up_to=args.speculate_up_to,
+        prefill_step_s=args.prefill_step_s,
         max_prefill_tokens=args.max_prefill_tokens,
         kv_cache_memory=args.kv_cache_memory,
         prefix_caching=args.prefix_caching,

@@ -1,24 +1,34 @@
-"""How much prompt a step prefills: a token budget shared first come, first served (chunked prefill).
+"""How much prompt a step prefills: a budget shared first come, first served (chunked prefill).
 
 A prefill forward holds every decoding request: a 6,000-token prompt run whole stalled
 four running streams for 15.9 s on this project's 2-core CPU. While requests decode, a
 step therefore prefills at most a budget of prompt tokens: the prompts in the batch take
 their next chunks in order, a long one over many steps, and a waiting request joins only
-while some of the budget is left. Decoding goes on between the chunks. With nothing
-decoding there is nothing to stall, and a step prefills up to ``IDLE_PREFILL_TOKENS``, a
-bound on one forward's activations rather than on anyone's wait.
+while some of the budget is left. Decoding goes on between the chunks. The budget is a
+time, ``step_s`` (0.25 s by default), turned into tokens by the prefill speed the engine
+measures on its own forwards (:class:`PrefillBudget`): a machine that prefills four times
+faster (bfloat16 on a CPU with AMX) takes four times the tokens a step, a slow one fewer;
+a fixed number of tokens can replace it. With nothing decoding there is nothing to stall,
+and a step prefills up to ``IDLE_PREFILL_TOKENS``, a bound on one forward's activations
+rather than on anyone's wait.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-# Prompt tokens one step may prefill while other requests decode (at the start of a prompt; later
-# chunks are smaller, see chunk_cost). On the 2-core CPU of this project a chunk of the reference
-# target costs about 1.0 ms a token in float32 and 0.4-0.55 in bfloat16 (plus its attention), so a
-# running request's next token waits about 0.25 s (float32) or 0.12 s (bfloat16) for a chunk, plus
-# its own step.
-DEFAULT_MAX_PREFILL_TOKENS = 256
+# The longest a step's prefill should hold the decoding requests (issue #45's goal for a running
+# stream's wait; the stream also waits for its own step).
+DEFAULT_PREFILL_STEP_S = 0.25
+
+# The prefill speed assumed before an engine has measured its own, in chunk_cost units (about prompt
+# tokens) a second: the reference target in float32 on the 2-core EPYC, about 1.0 ms a token in
+# chunks of 256 (bfloat16 0.4-0.55 ms), so 256 tokens for the default step.
+FIRST_PREFILL_SPEED = 1024.0
+
+# A step's budget never falls below this many tokens while requests decode: a prompt always moves.
+MIN_STEP_TOKENS = 16
 
 # Prompt tokens one step may prefill while nothing decodes. Unbounded, 32 requests of 2,000 tokens
 # arriving together ran as one 64,000-token forward whose activations raised the RSS by 4.4 GB on top
@@ -27,12 +37,34 @@ DEFAULT_MAX_PREFILL_TOKENS = 256
 IDLE_PREFILL_TOKENS = 4096
 
 
-def step_budget(max_prefill_tokens: int | None, decoding: bool) -> int | None:
-    """Prompt tokens (in :func:`chunk_cost`) one step may prefill: ``max_prefill_tokens`` while requests decode,
-    ``IDLE_PREFILL_TOKENS`` (or more, if that is larger) while none does; None: no bound at all."""
-    if max_prefill_tokens is None:
-        return None
-    return max_prefill_tokens if decoding else max(max_prefill_tokens, IDLE_PREFILL_TOKENS)
+@dataclass
+class PrefillBudget:
+    """How much prompt (in :func:`chunk_cost` units) a step may prefill: from a time, or a fixed number of tokens.
+
+    ``step_s``: the time a step's prefill may take while requests decode, turned into tokens
+    by ``speed``, an exponential average over this engine's own prefill forwards
+    (:meth:`record`). ``tokens``: a fixed budget instead. Both None: no bound at all.
+    """
+
+    step_s: float | None = DEFAULT_PREFILL_STEP_S
+    tokens: int | None = None
+    speed: float = FIRST_PREFILL_SPEED  # chunk_cost units a second, measured
+    smoothing: float = 0.25  # the newest forward's weight in the average
+
+    def for_step(self, decoding: bool) -> int | None:
+        """The budget of a step while requests decode, or while none does (``IDLE_PREFILL_TOKENS``, or more)."""
+        if self.tokens is None and self.step_s is None:
+            return None
+        if self.tokens is not None:
+            while_decoding = self.tokens
+        else:
+            while_decoding = max(MIN_STEP_TOKENS, int(self.speed * self.step_s))
+        return while_decoding if decoding else max(while_decoding, IDLE_PREFILL_TOKENS)
+
+    def record(self, units: float, seconds: float) -> None:
+        """A prefill forward of ``units`` (its chunks' costs summed) took ``seconds``: update the speed."""
+        if units > 0 and seconds > 0:
+            self.speed += self.smoothing * (units / seconds - self.speed)
 
 
 def chunk_sizes(

@@ -10,7 +10,7 @@ Each :meth:`BatchEngine.step`:
    (:meth:`QwenVLTarget.row_prompt`), each new row starts from what the prefix cache holds of
    its prompt (:meth:`RaggedBatch.open`), and the prompts' next pieces, text and images
    alike, run in one packed forward that writes their KV straight into their rows
-   (:meth:`RaggedBatch.extend`): chunks within ``max_prefill_tokens`` while requests decode,
+   (:meth:`RaggedBatch.extend`): chunks within the step's prefill budget while requests decode,
    within ``IDLE_PREFILL_TOKENS`` when none does (:mod:`vlmspec.serving.admission`); a prompt now complete draws
    its first token;
 2. runs one step of the step API for all running requests: one drafter call
@@ -58,11 +58,11 @@ from vlmspec.drafters.base import Proposer
 from vlmspec.loading import load_proposer, load_target
 from vlmspec.scheduling.base import Scheduler
 from vlmspec.serving.admission import (
-    DEFAULT_MAX_PREFILL_TOKENS,
+    DEFAULT_PREFILL_STEP_S,
+    PrefillBudget,
     chunk_cost,
     chunk_sizes,
     largest_chunk,
-    step_budget,
 )
 from vlmspec.serving.memory import blocks_needed, kv_budget_bytes
 from vlmspec.serving.requests import (
@@ -129,9 +129,10 @@ class BatchEngine:
 
     ``generate_many`` does the loop for a list of requests. Without a proposer the engine
     batches the target alone (one token per request per step) through the same code.
-    ``max_prefill_tokens`` bounds the prompt tokens one step prefills while requests run
-    (None: no bound, not even on an idle step's), so prefills interleave with decode steps
-    instead of stalling them.
+    While requests run, one step prefills as much prompt as ``prefill_step_s`` seconds allow at
+    the prefill speed the engine measures on its own forwards, or ``max_prefill_tokens`` tokens
+    when that is given (both None: no bound, not even on an idle step), so prefills interleave
+    with decode steps instead of stalling them (:mod:`vlmspec.serving.admission`).
     ``kv_cache_memory`` bounds the runner's KV pool: bytes, a fraction of RAM, or None (half
     the RAM available at start); a request is admitted when its prompt's KV blocks fit, a running
     one that runs short is preempted and recomputed later (see :mod:`vlmspec.serving.memory`), and
@@ -147,7 +148,8 @@ class BatchEngine:
         *,
         max_batch_size: int = 32,
         speculate_up_to: int | None = None,
-        max_prefill_tokens: int | None = DEFAULT_MAX_PREFILL_TOKENS,
+        prefill_step_s: float | None = DEFAULT_PREFILL_STEP_S,
+        max_prefill_tokens: int | None = None,
         kv_cache_memory: int | float | None = None,
         prefix_caching: bool = True,
     ) -> None:
@@ -155,13 +157,15 @@ class BatchEngine:
         for name, value in (("speculate_up_to", speculate_up_to), ("max_prefill_tokens", max_prefill_tokens)):
             if value is not None:
                 check_positive(name, value)
+        if prefill_step_s is not None and not (isinstance(prefill_step_s, (int, float)) and 0 < prefill_step_s < 1e6):
+            raise ValueError(f"prefill_step_s must be a number of seconds > 0 (or None), got {prefill_step_s!r}")
         self.target = target
         self.decoder = SpecDecoder(proposer, scheduler, vocab_size=target.vocab_size)
         self.max_batch_size = max_batch_size
         # Draft only while at most this many requests run (None: always). Above it a step verifies the anchors
         # alone: on a compute-bound machine a big batch has no spare compute for drafts.
         self.speculate_up_to = speculate_up_to
-        self.max_prefill_tokens = max_prefill_tokens  # prompt tokens a step prefills while others decode
+        self.prefill_budget = PrefillBudget(step_s=prefill_step_s, tokens=max_prefill_tokens)
         self._batch = RaggedBatch(
             target,
             feature_layers=self.decoder.proposer.feature_layers,
@@ -184,7 +188,8 @@ class BatchEngine:
         scheduler: Scheduler | None = None,
         max_batch_size: int = 32,
         speculate_up_to: int | None = None,
-        max_prefill_tokens: int | None = DEFAULT_MAX_PREFILL_TOKENS,
+        prefill_step_s: float | None = DEFAULT_PREFILL_STEP_S,
+        max_prefill_tokens: int | None = None,
         kv_cache_memory: int | float | None = None,
         prefix_caching: bool = True,
         dtype: str | torch.dtype = "float32",
@@ -206,6 +211,7 @@ class BatchEngine:
             scheduler,
             max_batch_size=max_batch_size,
             speculate_up_to=speculate_up_to,
+            prefill_step_s=prefill_step_s,
             max_prefill_tokens=max_prefill_tokens,
             kv_cache_memory=kv_cache_memory,
             prefix_caching=prefix_caching,
@@ -333,18 +339,19 @@ class BatchEngine:
     def admit(self, limit: int | None = None) -> list[StepOutput]:
         """Prefill the next pieces of the prompts in the batch and of up to ``limit`` waiting requests; first tokens.
 
-        While requests decode, one call prefills at most ``max_prefill_tokens`` prompt tokens
-        (chunked prefill): prompts are taken in order, a long one in chunks over several
-        calls, so the decoding requests never wait for a whole long prompt. With nothing
-        decoding there is nothing to stall: a call prefills up to ``IDLE_PREFILL_TOKENS``,
-        which bounds one forward's activations (:func:`~vlmspec.serving.admission.step_budget`). A waiting
+        While requests decode, one call prefills what ``prefill_step_s`` allows at the measured
+        prefill speed, or ``max_prefill_tokens`` (chunked prefill): prompts are taken in order,
+        a long one in chunks over several calls, so the decoding requests never wait for a whole
+        long prompt. With nothing decoding there is nothing to stall: a call prefills up to
+        ``IDLE_PREFILL_TOKENS``, which bounds one forward's activations
+        (:class:`~vlmspec.serving.admission.PrefillBudget`). A waiting
         request joins (takes a row) when the batch has room, its KV fits the budget and
         some of this call's tokens are left for it; its prompt starts from whatever the prefix
         cache holds of it. All pieces of a call share one packed forward of the runner.
         Returns a :class:`StepOutput` for each request whose prompt is complete now (its
         first token) or whose prefill failed.
         """
-        budget = step_budget(self.max_prefill_tokens, decoding=any(not e.prefilling for e in self._running))
+        budget = self.prefill_budget.for_step(decoding=any(not e.prefilling for e in self._running))
         chunks = self._next_chunks(budget)
         left = None
         if budget is not None:
@@ -500,6 +507,7 @@ class BatchEngine:
         tick = time.perf_counter()
         steps = self._batch.extend(rows, pieces)
         seconds = time.perf_counter() - tick  # every request of the forward waited for all of it
+        self.prefill_budget.record(sum(chunk_cost(p.length, e.prefilled) for p, e in zip(pieces, entries)), seconds)
         for entry, piece in zip(entries, pieces, strict=True):
             entry.prefilled += piece.length
             entry.prefill_s += seconds
