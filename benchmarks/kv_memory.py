@@ -178,9 +178,12 @@ def run_server_cell(args: argparse.Namespace, concurrency: int, prompt_tokens: i
         f"kv-memory-{concurrency}-{prompt_tokens}-{budget}", target=args.target, dtype=args.dtype,
         drafter=server_drafter(args), extra=[*extra, *args.server_args], log_dir=peer_logs_dir(args.out, "vlmspec"),
     )  # fmt: skip
-    with server.start(timeout=args.startup_timeout):
+    server.start(timeout=args.startup_timeout)
+    try:
         meter = RssMeter(server.process.pid)
         replies, alone, wall = asyncio.run(burst_then_alone(openai_client(server.url), texts, meter, args))
+    finally:
+        server.stop()
     ends = [r["end"] for r in replies]
     checked = [(r, a) for r, a in zip(replies, alone) if r["end"] == "done" and a["end"] == "done"]
     return {
