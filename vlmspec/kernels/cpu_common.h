@@ -161,6 +161,47 @@ inline void store8(uint16_t* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 
+// ---- SiLU(gate) * up (the target step and the drafting round) --------------------------------------------------------
+// ATen's silu and mul are two dispatches and two passes over [B, I] (about 12 us a layer for one
+// token in bfloat16, 24 for eight). Here each value is silu(g) = g * sigmoid(g) in float32, with
+// sigmoid from exp8(-|g|) (exact to a few ulp of float32: the rounding to bfloat16 hides that),
+// rounded to the model's dtype, times u, rounded again: the roundings of act(gate) * up.
+
+template <typename T>
+inline void silu_mul_8(const T* gate, const T* up, T* out) {
+  const __m256 g = load8(gate);
+  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), g)));  // exp(-|g|)
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 positive = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_GE_OQ);
+  const __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(e, one, positive), _mm256_add_ps(one, e));
+  const __m256 activated = round_as(gate, _mm256_mul_ps(g, sigmoid));
+  store8(out, round_as(gate, _mm256_mul_ps(activated, load8(up))));
+}
+
+// Blocks of 8 values, split between the threads (a verify's 8 rows of 4,608 values is too little
+// for whole rows a thread: the threads' wake-up would cost more than it saves).
+template <typename T>
+void silu_mul_rows(const T* gate_up, int64_t rows, int64_t inner, T* out) {
+  const int64_t blocks = (inner + 7) / 8;
+  split_tasks(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t r = index / blocks, j = (index % blocks) * 8;
+      const T* gate = gate_up + r * 2 * inner + j;
+      const T* up = gate + inner;
+      T* row_out = out + r * inner + j;
+      if (j + 8 <= inner) {
+        silu_mul_8(gate, up, row_out);
+      } else {  // the tail through the same 8 lanes, so every value takes the same arithmetic
+        T g[8] = {}, u[8] = {}, o[8];
+        std::copy(gate, gate + (inner - j), g);
+        std::copy(up, up + (inner - j), u);
+        silu_mul_8(g, u, o);
+        std::copy(o, o + (inner - j), row_out);
+      }
+    }
+  });
+}
+
 // The linears' operators (cpu_linear.cpp), registered in cpu_kernels.cpp.
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 std::string kernel_isa();

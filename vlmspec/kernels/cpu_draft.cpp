@@ -30,7 +30,7 @@
 // The drafter's context lives in its own buffers [1, Hkv, capacity, hd] (DraftContextCache),
 // separate from the target's KV layout; the attention here is its own (a few hundred keys).
 
-#include "cpu_common.h"
+#include "cpu_layers.h"
 
 namespace vlmspec_cpu {
 namespace {
@@ -131,30 +131,9 @@ void attend_query(const float* q, const T* keys, const T* values, int64_t visibl
   }
 }
 
-// silu(gate) * up for 8 values (F.silu in float32 rounded to T, times up rounded): sigmoid from
-// exp(-|g|), which exp8 takes.
-template <typename T>
-inline void silu_mul_8(const T* gate, const T* up, T* out) {
-  const __m256 g = load8(gate), one = _mm256_set1_ps(1.0f);
-  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), g)));
-  const __m256 positive = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_GE_OQ);
-  const __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(e, one, positive), _mm256_add_ps(one, e));
-  store8(out, round_as(gate, _mm256_mul_ps(round_as(gate, _mm256_mul_ps(g, sigmoid)), load8(up))));
-}
-
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
-// One packed linear (cpu_linear.cpp's layout) and its output size.
-struct Linear {
-  at::Tensor packed;
-  std::optional<at::Tensor> bias;
-  int64_t out = 0;
-
-  int64_t in() const { return packed.size(1) * packed.size(3); }  // padded input width
-  void operator()(const void* x, int64_t rows, void* y) const {
-    packed_linear_into(packed, out, bias ? &*bias : nullptr, x, rows, y);
-  }
-};
+using Linear = PackedLinearWeights;  // cpu_layers.h: the target step's linears too
 
 struct Layer {
   at::Tensor input_norm, q_norm, k_norm, mlp_norm;
@@ -174,19 +153,9 @@ const at::Tensor& need(const c10::Dict<std::string, at::Tensor>& all, const std:
   return found->value();
 }
 
-std::optional<at::Tensor> maybe(const c10::Dict<std::string, at::Tensor>& all, const std::string& name) {
-  const auto found = all.find(name);
-  return found == all.end() ? std::nullopt : std::optional<at::Tensor>(found->value());
-}
-
 Linear linear(const c10::Dict<std::string, at::Tensor>& all, const std::string& name, int64_t out,
               at::ScalarType dtype) {
-  Linear l{need(all, name), maybe(all, name + ".bias"), out};
-  TORCH_CHECK(l.packed.dim() == 4 && l.packed.scalar_type() == dtype && l.packed.size(0) * l.packed.size(2) >= out,
-              "dspark_round: '", name, "' is not a packed ", dtype, " weight of ", out, " outputs");
-  TORCH_CHECK(!l.bias || (packed_linear_bias_ready(l.packed, *l.bias) && l.bias->numel() == out), "dspark_round: '",
-              name, ".bias' must be ", out, " contiguous values");
-  return l;
+  return named_linear(all, name, name + ".bias", out, dtype, "dspark_round");
 }
 
 Weights collect(const c10::Dict<std::string, at::Tensor>& all, const Shape& s, at::ScalarType dtype) {
