@@ -334,3 +334,10 @@ def test_decoder_weights_take_each_layer_by_name_and_name_what_is_missing_or_mis
         cpu_kernels.decoder_weights([tensors | {"down": torch.randn(32, 48)}], [sizes], 2, 16, 1e-6, 0.25)
     with pytest.raises(RuntimeError, match="width differs"):
         cpu_kernels.decoder_weights([tensors], [sizes], 3, 16, 1e-6, 0.25)  # the out linear reads 2 heads, not 3
+
+
+def test_every_kernel_file_is_compiled_or_hashed_into_the_build():
+    """A source missing from SOURCES would not be built, a header missing from HEADERS would not rebuild on an edit."""
+    directory = cpu_kernels.SOURCES[0].parent
+    assert set(directory.glob("*.cpp")) == set(cpu_kernels.SOURCES)
+    assert set(directory.glob("*.h")) == set(cpu_kernels.HEADERS)

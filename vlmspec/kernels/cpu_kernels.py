@@ -48,8 +48,11 @@ the same kernel calls as a team, each its share (a linear's blocks pulled from a
 with a barrier between calls instead of a fork and a join per call, into buffers allocated once
 per step; bit for bit the reference's results.
 
-The kernels (``cpu_linear.cpp``, ``cpu_kernels.cpp``, ``cpu_step.cpp``, the headers, and
-``cpu_draft.cpp``: a DSpark drafting round in one call, see :mod:`vlmspec.drafters.dspark.native`) are
+The kernels (``cpu_linear.cpp`` and ``cpu_packed.cpp``: the linears; ``cpu_kernels.cpp``: norm,
+RoPE + KV write and the registrations; ``cpu_attention.cpp``; ``cpu_step.cpp``: the native step;
+``cpu_sampling.cpp``; ``cpu_draft.cpp`` and ``cpu_draft_head.cpp``: a DSpark drafting round in
+one call, see :mod:`vlmspec.drafters.dspark.native`; the headers ``cpu_common.h``,
+``cpu_layers.h`` and ``cpu_draft.h``) are
 compiled on first use, once per machine and torch version, into ``$VLMSPEC_CACHE/kernels``
 (about 20 s; needs a C++ compiler, which ``scripts/setup.sh`` installs, and ninja, which
 ``pip install vlmspec`` brings; the compiler is ``c++`` or ``$CXX``, torch's convention).
@@ -80,9 +83,18 @@ KERNEL_ENV = "VLMSPEC_CPU_KERNEL"
 ISA_ENV = "VLMSPEC_CPU_ISA"
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_kernels.cpp", "cpu_linear.cpp", "cpu_step.cpp", "cpu_sampling.cpp", "cpu_draft.cpp")
+    for name in (
+        "cpu_kernels.cpp",
+        "cpu_attention.cpp",
+        "cpu_linear.cpp",
+        "cpu_packed.cpp",
+        "cpu_step.cpp",
+        "cpu_sampling.cpp",
+        "cpu_draft.cpp",
+        "cpu_draft_head.cpp",
+    )
 )
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_common.h", "cpu_layers.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_common.h", "cpu_layers.h", "cpu_draft.h"))
 # Measured on the AVX2 EPYC, a pass over every linear of the reference target: the kernel
 # beats ATen's GEMM at every row count up to 64 (float32 223 against 333 ms at 64 rows,
 # bfloat16 252 against 1,051). Past that, products become compute bound and a GEMM library
