@@ -25,7 +25,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 @pytest.fixture(autouse=True)
 def kernel():
     if not cpu_kernels.kernel_available():
-        pytest.skip("the native layer loop needs vlmspec's CPU kernel (x86 with AVX2 and a C++ compiler)")
+        pytest.skip("the native step needs vlmspec's CPU kernel (x86 with AVX2 and a C++ compiler)")
 
 
 @pytest.fixture
