@@ -27,9 +27,9 @@ bandwidth; elsewhere through oneDNN's reordered weights or ATen
   only each row's valid slots through its block table
   (:func:`~vlmspec.kernels.cpu_kernels.paged_attention`, or
   :func:`vlmspec.targets.ragged.attend_rows` where the kernel does not apply);
-* the layer sequence is written twice, on purpose: once in Python
-  (:meth:`PackedDecoder._reference_layers`, the reference, which runs every case) and once in
-  C++ (``cpu_step.cpp``). Where every step of a layer is one of vlmspec's kernels (no q/k
+* the layer sequence has one Python form, the reference, which runs every case
+  (:meth:`PackedDecoder._reference_layers`), and one C++ form, the native step
+  (``cpu_step.cpp``), which must equal it bit for bit. Where every step of a layer is one of vlmspec's kernels (no q/k
   norms, which the family's :class:`~vlmspec.targets.families.FamilySpec` says; the kernel's
   RMSNorm, RoPE and attention; every linear packed, which needs AVX-512; SiLU: Qwen2-VL and
   Qwen2.5-VL on such a CPU with the kernel built), all the layers run in one native call
