@@ -9,14 +9,15 @@ run, for every backend the runner has on this machine:
 * ``fast, kernel``: the packed decoder over vlmspec's matrix-vector kernel
   (``vlmspec/kernels/cpu_kernels.py``), the default where it builds: its AVX-512 (and
   AVX512-BF16) form where the CPU has it, and on such CPUs also ``fast, kernel (AVX2)``,
-  the same kernels held to AVX2 (``VLMSPEC_CPU_ISA=avx2``), to show what AVX-512 moves.
+  the same kernels held to AVX2 (``VLMSPEC_CPU_ISA=avx2``), to show what AVX-512 moves
+  (held to AVX2 the linears are not packed, so the Python reference runs the layers).
   Where the packed decoder runs all its layers in one native call (Qwen2-VL and
-  Qwen2.5-VL on the kernel: ``PackedDecoder.native``), ``fast, vlmspec kernel, Python
-  layer loop`` runs the same kernels one Python-level call at a time, to show what the
-  native loop moves (the ``layers`` column says which loop ran), and ``fast, vlmspec
-  kernel, fork-join layer loop`` runs the native loop with a parallel region per kernel
-  call instead of one for the whole step (``VLMSPEC_STEP_TEAM=0``), to show what the
-  team step moves.
+  Qwen2.5-VL on packed AVX-512 linears: ``PackedDecoder.native``), ``fast, vlmspec kernel,
+  Python layer loop`` runs the Python reference, the same kernels one Python-level call at a
+  time, to show what the native step moves (the ``layers`` column says which ran). The native step has one
+  form, one parallel region for the whole step (issue #43 removed the fork-join form, a
+  parallel region per kernel call, and its ``fork-join layer loop`` configuration: the team
+  step was measured faster, docs/design.md §21.1).
 
 Each configuration is profiled ``--rounds`` times in turn (A, B, C, A, B, C, ...), so a
 slow minute of the shared machine hits all of them, and the median of its rounds is
@@ -58,16 +59,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-# name -> (decode mode, kernel on, ISA the kernel may use: "native" or "avx2", decoder layer loop:
-# "native" (one call for all layers, where the decoder has it: one parallel region for the step),
-# "fork-join" (the same call, a parallel region per kernel call) or "python")
+# name -> (decode mode, kernel on, ISA the kernel may use: "native" or "avx2", decoder layer sequence:
+# "native" (one call for all layers, where the decoder has it) or "python" (the Python reference))
 CONFIGS = {
     "reference (transformers eager)": ("reference", True, "native", "python"),
     "fast, oneDNN/ATen linears": ("fast", False, "native", "native"),
     "fast, vlmspec kernel (AVX2)": ("fast", True, "avx2", "native"),
     "fast, vlmspec kernel": ("fast", True, "native", "native"),
     "fast, vlmspec kernel, Python layer loop": ("fast", True, "native", "python"),
-    "fast, vlmspec kernel, fork-join layer loop": ("fast", True, "native", "fork-join"),
 }
 
 
@@ -91,29 +90,12 @@ def kernel_enabled(enabled: bool, isa: str = "native") -> Iterator[None]:
         cpu_kernels.kernel_available.cache_clear()
 
 
-@contextmanager
-def step_team(enabled: bool) -> Iterator[None]:
-    """The native loop's team step on (the default) or off (a parallel region per kernel call) inside this block."""
-    from vlmspec.kernels.cpu_kernels import STEP_TEAM_ENV
-
-    saved = os.environ.get(STEP_TEAM_ENV)
-    if not enabled:
-        os.environ[STEP_TEAM_ENV] = "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(STEP_TEAM_ENV, None)
-        else:
-            os.environ[STEP_TEAM_ENV] = saved
-
-
 def step_times(
     target, decode: str, kernel: bool, isa: str, layers: str, args: argparse.Namespace
 ) -> tuple[dict[int, float], str, str]:
     """T_verify(n) in seconds for n in TOKEN_COUNTS (the runner's forward, as `vlmspec profile` times it).
 
-    Also returns the linears' backend and the layer loop that ran (``native`` or ``python``).
+    Also returns the linears' backend and the layer sequence that ran (``native`` or ``python``).
     """
     from vlmspec.targets.profile import profile_target
 
@@ -126,10 +108,9 @@ def step_times(
             if layers == "python":
                 decoder.native = None  # the same packed weights, one Python-level call per kernel
             backend, loop = decoder.backend, "python" if decoder.native is None else layers
-        with step_team(layers != "fork-join"):
-            table = profile_target(
-                target, max_tokens=max(TOKEN_COUNTS), context_length=args.context_length, warmup=2, repeats=args.repeats
-            )
+        table = profile_target(
+            target, max_tokens=max(TOKEN_COUNTS), context_length=args.context_length, warmup=2, repeats=args.repeats
+        )
     return {n: 1.0 / table.sps(n) for n in TOKEN_COUNTS}, backend, loop
 
 

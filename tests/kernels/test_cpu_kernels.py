@@ -307,3 +307,37 @@ def test_silu_mul_is_silu_of_the_gate_times_up_to_the_dtypes_rounding(dtype, inn
     else:  # each of the two roundings may land one bfloat16 step away from the float64 value's
         torch.testing.assert_close(result.double(), exact.to(dtype).double(), rtol=2 * 2**-8, atol=0)
     assert torch.equal(result[1:], cpu_kernels.silu_mul(gate_up[1:]))  # a row does not depend on the others
+
+
+def named_layer(d: int = 32, heads: int = 2, head_dim: int = 16, inner: int = 48):
+    """One decoder layer's tensors by name, as PackedDecoder hands them to decoder_weights, and their output sizes."""
+    generator = torch.Generator().manual_seed(11)
+    sizes = {"qkv": (heads + 2) * head_dim, "out": d, "gate_up": 2 * inner, "down": d}
+    widths = {"qkv": d, "out": heads * head_dim, "gate_up": d, "down": inner}
+    tensors = {
+        name: cpu_kernels.pack_weight(torch.randn(sizes[name], widths[name], generator=generator)) for name in sizes
+    }
+    tensors |= {"input_norm": torch.ones(d), "post_norm": torch.ones(d), "qkv_bias": torch.zeros(sizes["qkv"])}
+    return tensors, sizes
+
+
+@needs_packing
+def test_decoder_weights_take_each_layer_by_name_and_name_what_is_missing_or_misshapen():
+    tensors, sizes = named_layer()
+    weights = cpu_kernels.decoder_weights([tensors, tensors], [sizes, sizes], 2, 16, 1e-6, 0.25)
+    assert weights.num_layers() == 2
+    with pytest.raises(RuntimeError, match="lack 'post_norm'"):
+        cpu_kernels.decoder_weights(
+            [{k: v for k, v in tensors.items() if k != "post_norm"}], [sizes], 2, 16, 1e-6, 0.25
+        )
+    with pytest.raises(RuntimeError, match="'down' is not a packed"):
+        cpu_kernels.decoder_weights([tensors | {"down": torch.randn(32, 48)}], [sizes], 2, 16, 1e-6, 0.25)
+    with pytest.raises(RuntimeError, match="width differs"):
+        cpu_kernels.decoder_weights([tensors], [sizes], 3, 16, 1e-6, 0.25)  # the out linear reads 2 heads, not 3
+
+
+def test_every_kernel_file_is_compiled_or_hashed_into_the_build():
+    """A source missing from SOURCES would not be built, a header missing from HEADERS would not rebuild on an edit."""
+    directory = cpu_kernels.SOURCES[0].parent
+    assert set(directory.glob("*.cpp")) == set(cpu_kernels.SOURCES)
+    assert set(directory.glob("*.h")) == set(cpu_kernels.HEADERS)

@@ -25,13 +25,16 @@ def test_every_tiny_family_has_a_spec_and_every_spec_a_model_type():
 
 
 def test_a_spec_describes_its_model(make_target, family):
-    """Language model, MLP kind, deepstack, processor and patch size, read from the model itself."""
+    """Language model, MLP kind, q/k norms, deepstack, processor and patch size, read from the model itself."""
     target = make_target(family)
     spec = model_spec(target.model)
     assert spec is target.spec and spec.name == family == target.family
     text = language_model(target.model)
     assert text.layers is target.decoder_layers and text.norm is target.final_norm
     check_fast_path(target.model)  # a dense family runs on the fast path
+    attention = text.layers[0].self_attn
+    assert spec.qk_norm == hasattr(attention, "q_norm") == hasattr(attention, "k_norm")
+    assert spec.mlp == "dense" and all(hasattr(layer.mlp, "gate_proj") for layer in text.layers)
     vision = target.model.config.vision_config
     assert spec.deepstack == bool(getattr(vision, "deepstack_visual_indexes", None))
     assert spec.patch_size == vision.patch_size

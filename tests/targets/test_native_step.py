@@ -1,10 +1,10 @@
-"""The native layer loop (every decoder layer in one call) against the Python loop over the same kernels.
+"""The native step (every decoder layer in one call) against the Python reference over the same kernels.
 
 Both make the same kernel calls in the same order (the native one from C++), so logits,
 features and KV writes must be equal bit for bit, not merely close: ``torch.equal``
-throughout. Covered for both families that take the native loop, float32 and bfloat16,
-both kernel forms (AVX-512 where this CPU has it, and AVX2), and ragged batches of one
-and of several tokens per row. Qwen3-VL (per-head q/k norms) keeps the Python loop.
+throughout. Covered for both families that take the native step, float32 and bfloat16,
+and ragged batches of one and of several tokens per row. The native step runs packed
+(AVX-512) linears only: held to AVX2, and for Qwen3-VL (per-head q/k norms), the reference runs.
 """
 
 from __future__ import annotations
@@ -25,17 +25,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 @pytest.fixture(autouse=True)
 def kernel():
     if not cpu_kernels.kernel_available():
-        pytest.skip("the native layer loop needs vlmspec's CPU kernel (x86 with AVX2 and a C++ compiler)")
+        pytest.skip("the native step needs vlmspec's CPU kernel (x86 with AVX2 and a C++ compiler)")
 
 
-@pytest.fixture(params=["native", "avx2"])
-def isa(request, monkeypatch):
-    """The kernel's forms: whatever this CPU runs (packed AVX-512 weights here), and AVX2 (weights as stored)."""
-    if request.param == "avx2":
-        if not cpu_kernels.cpu_has_avx512():
-            pytest.skip("AVX2 is this CPU's only form: covered by 'native'")
-        monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx2")  # read at packing and at every kernel call
-    return request.param
+@pytest.fixture
+def packed_linears():
+    if cpu_kernels.kernel_isa() == "avx2":
+        pytest.skip("the native step runs packed linears, which need AVX-512 (on AVX2 the reference runs)")
 
 
 class Slots:
@@ -99,11 +95,11 @@ def packed_step(decoder: PackedDecoder, per_row: list[int], dtype: torch.dtype):
 @pytest.mark.parametrize("family", NATIVE_FAMILIES)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("per_row", [[1, 1, 1], [3, 1, 4]], ids=["one-token-rows", "ragged-rows"])
-def test_native_loop_equals_the_python_loop_bit_for_bit(make_target, family, dtype, per_row, isa):
+def test_native_step_equals_the_python_reference_bit_for_bit(make_target, family, dtype, per_row, packed_linears):
     target = target_of(make_target, family, dtype)
     native, python = PackedDecoder(target.model), PackedDecoder(target.model)
-    assert native.native is not None, "this family should take the native loop on this machine"
-    assert native.layers[0].qkv.backend in (("kernel",) if isa == "avx2" else ("packed", "kernel"))
+    assert native.native is not None, "this family should take the native step on this machine"
+    assert native.layers[0].qkv.backend == "packed"
     python.native = None
     logits, features, keys, values, before, (blocks, offsets) = packed_step(native, per_row, dtype)
     expected_logits, expected_features, expected_keys, expected_values, _, _ = packed_step(python, per_row, dtype)
@@ -121,13 +117,20 @@ def test_native_loop_equals_the_python_loop_bit_for_bit(make_target, family, dty
     assert torch.equal(changed, written)  # the new keys landed in their slots, and nowhere else
 
 
-def test_qwen3_vl_keeps_the_python_loop_and_the_others_take_the_native_one(make_target):
+def test_qwen3_vl_keeps_the_python_reference_and_the_others_take_the_native_step(make_target, packed_linears):
     assert make_target("qwen3_vl").packed_decoder().native is None  # per-head q/k norms sit between qkv and RoPE
     for family in NATIVE_FAMILIES:
         assert make_target(family).packed_decoder().native is not None
 
 
-def test_without_the_kernel_there_is_no_native_loop(make_target, monkeypatch):
+def test_held_to_avx2_the_reference_runs(make_target, monkeypatch):
+    """Linears on the AVX2 kernel (weights as stored) are not the native step's: the reference runs them."""
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx2")  # read at packing and at every kernel call
+    decoder = PackedDecoder(make_target("qwen2_vl").model)
+    assert decoder.native is None and decoder.backend == "kernel"
+
+
+def test_without_the_kernel_there_is_no_native_step(make_target, monkeypatch):
     monkeypatch.setenv(cpu_kernels.KERNEL_ENV, "0")
     cpu_kernels.kernel_available.cache_clear()
     try:
@@ -139,7 +142,9 @@ def test_without_the_kernel_there_is_no_native_loop(make_target, monkeypatch):
 
 
 @pytest.mark.parametrize("family", NATIVE_FAMILIES)
-def test_greedy_speculation_is_the_target_alone_and_the_python_loop_token_for_token(make_target, family, astronaut):
+def test_greedy_speculation_is_the_target_alone_and_the_python_reference_token_for_token(
+    make_target, family, astronaut, packed_linears
+):
     target = target_of(make_target, family, torch.bfloat16)
     engine = SpecEngine(target, PromptLookup(max_draft_tokens=4))
     picture = astronaut.resize((64, 64))

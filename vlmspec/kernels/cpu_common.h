@@ -1,7 +1,9 @@
-// Helpers shared by vlmspec's CPU kernels (cpu_linear.cpp: the linears; cpu_kernels.cpp: norm,
-// RoPE + KV write, attention, and the operator registrations; cpu_step.cpp: every decoder layer
-// of a step in one call). Built with -mavx2 -mfma; the
-// AVX-512 code in cpu_linear.cpp is compiled for AVX-512 and chosen at run time.
+// Helpers shared by vlmspec's CPU kernels: cpu_linear.cpp (linears over weights as stored),
+// cpu_packed.cpp (linears over packed weights, AVX-512), cpu_kernels.cpp (norm, RoPE + KV write,
+// the operator registrations), cpu_attention.cpp (attention over the KV pages), cpu_step.cpp
+// (every decoder layer of a step in one call; its weight layout is cpu_layers.h), cpu_sampling.cpp
+// (the sampler) and cpu_draft.cpp / cpu_draft_head.cpp (the DSpark drafting round). Built with
+// -mavx2 -mfma; the AVX-512 code is compiled for AVX-512 in its own sections and chosen at run time.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -112,13 +114,18 @@ inline __m256 load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
 
-// exp of 8 floats <= 0 (attention's scores minus their maximum; SiLU's -|x|), to about 2 ulp: Cody-Waite reduction
-// to r in [-ln2/2, ln2/2], Cephes' degree-6 polynomial for exp(r), times 2^n. Below -87 the
-// result is flushed to 0, where float32 exp would be denormal or 0 anyway.
-inline __m256 exp8(__m256 x) {
-  const __m256 floor_x = _mm256_set1_ps(-87.0f);
-  const __m256 underflow = _mm256_cmp_ps(x, floor_x, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, floor_x);
+// The sums of 8 vectors, as one vector: lane i holds the sum of v[i]'s 8 lanes.
+inline __m256 horizontal_sums(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));  // 0 1 2 3 | 0 1 2 3
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));  // 4 5 6 7 | 4 5 6 7
+  const __m256 low = _mm256_permute2f128_ps(a, b, 0x20), high = _mm256_permute2f128_ps(a, b, 0x31);
+  return _mm256_add_ps(low, high);
+}
+
+// exp(r) for x = n ln2 + r (Cody-Waite reduction to r in [-ln2/2, ln2/2], Cephes' degree-6
+// polynomial, about 1 ulp), with n returned: the part every exp here shares (exp8 below, and
+// cpu_sampling.cpp's exp8_subnormal, which applies 2^n so that subnormal results are formed).
+inline __m256 exp8_reduced(__m256 x, __m256* n_out) {
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -129,7 +136,18 @@ inline __m256 exp8(__m256 x) {
   y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
   y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
   y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  *n_out = n;
+  return _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+}
+
+// exp of 8 floats <= 0 (attention's scores minus their maximum; SiLU's -|x|), to about 2 ulp:
+// exp8_reduced times 2^n. Below -87 the result is flushed to 0, where float32 exp would be
+// denormal or 0 anyway. (cpu_attention.cpp's exp16 is this arithmetic on 16 lanes, for AVX-512.)
+inline __m256 exp8(__m256 x) {
+  const __m256 floor_x = _mm256_set1_ps(-87.0f);
+  const __m256 underflow = _mm256_cmp_ps(x, floor_x, _CMP_LT_OQ);
+  __m256 n;
+  const __m256 y = exp8_reduced(_mm256_max_ps(x, floor_x), &n);
   const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(scale)));
 }
@@ -161,7 +179,48 @@ inline void store8(uint16_t* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 
-// The linears' operators (cpu_linear.cpp), registered in cpu_kernels.cpp.
+// ---- SiLU(gate) * up (the target step and the drafting round) --------------------------------------------------------
+// ATen's silu and mul are two dispatches and two passes over [B, I] (about 12 us a layer for one
+// token in bfloat16, 24 for eight). Here each value is silu(g) = g * sigmoid(g) in float32, with
+// sigmoid from exp8(-|g|) (exact to a few ulp of float32: the rounding to bfloat16 hides that),
+// rounded to the model's dtype, times u, rounded again: the roundings of act(gate) * up.
+
+template <typename T>
+inline void silu_mul_8(const T* gate, const T* up, T* out) {
+  const __m256 g = load8(gate);
+  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), g)));  // exp(-|g|)
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 positive = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_GE_OQ);
+  const __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(e, one, positive), _mm256_add_ps(one, e));
+  const __m256 activated = round_as(gate, _mm256_mul_ps(g, sigmoid));
+  store8(out, round_as(gate, _mm256_mul_ps(activated, load8(up))));
+}
+
+// Blocks of 8 values, split between the threads (a verify's 8 rows of 4,608 values is too little
+// for whole rows a thread: the threads' wake-up would cost more than it saves).
+template <typename T>
+void silu_mul_rows(const T* gate_up, int64_t rows, int64_t inner, T* out) {
+  const int64_t blocks = (inner + 7) / 8;
+  split_tasks(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t r = index / blocks, j = (index % blocks) * 8;
+      const T* gate = gate_up + r * 2 * inner + j;
+      const T* up = gate + inner;
+      T* row_out = out + r * inner + j;
+      if (j + 8 <= inner) {
+        silu_mul_8(gate, up, row_out);
+      } else {  // the tail through the same 8 lanes, so every value takes the same arithmetic
+        T g[8] = {}, u[8] = {}, o[8];
+        std::copy(gate, gate + (inner - j), g);
+        std::copy(up, up + (inner - j), u);
+        silu_mul_8(g, u, o);
+        std::copy(o, o + (inner - j), row_out);
+      }
+    }
+  });
+}
+
+// The linears' operators (cpu_linear.cpp, cpu_packed.cpp), registered in cpu_kernels.cpp.
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 std::string kernel_isa();
 at::Tensor pack_weight(const at::Tensor& weight);
@@ -218,7 +277,8 @@ struct HeadSlots {
   int64_t left(int64_t j) const { return pages->bs - (j & pages->mask); }
 };
 
-// Norm, RoPE + KV write and attention (cpu_kernels.cpp), also called by the layer loop (cpu_step.cpp).
+// Norm, RoPE + KV write (cpu_kernels.cpp) and attention (cpu_attention.cpp), also called by the native step
+// (cpu_step.cpp).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin, at::Tensor keys,
                       at::Tensor values, const at::Tensor& rows, const at::Tensor& slots, int64_t heads);

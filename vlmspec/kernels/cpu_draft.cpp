@@ -19,8 +19,9 @@
 //      state), B_k = W2 z_k, logits U_k + B_k in float32, then the argmax (greedy) or the
 //      inverse-CDF draw from softmax(logits / T) with a float64 uniform drawn beforehand;
 //   5. the confidence head over [h_k ; W1[x_{k-1}]] (or h_k alone), sigmoid.
+// Phases 4 and 5 are in cpu_draft_head.cpp; what both files share in cpu_draft.h.
 //
-// Every linear is vlmspec's packed AVX-512 linear (cpu_linear.cpp) over the weights the Python
+// Every linear is vlmspec's packed AVX-512 linear (cpu_packed.cpp) over the weights the Python
 // drafter's FastLinears would read, so those outputs are the Python path's bit for bit; norms,
 // RoPE, attention, SiLU and the softmax take the PyTorch modules' roundings (each op's result
 // rounded to the model's dtype) but not their exact float32 summation order or their exp/cos,
@@ -29,29 +30,11 @@
 //
 // The drafter's context lives in its own buffers [1, Hkv, capacity, hd] (DraftContextCache),
 // separate from the target's KV layout; the attention here is its own (a few hundred keys).
-
-#include "cpu_common.h"
+#include "cpu_draft.h"
 
 namespace vlmspec_cpu {
+namespace dspark {
 namespace {
-
-enum HeadKind : int64_t { kNoHead = 0, kVanilla = 1, kGated = 2, kRnn = 3 };
-enum ConfidenceKind : int64_t { kNoConfidence = 0, kHiddenOnly = 1, kWithMarkov = 2 };
-
-// The drafter's shape, passed as a list of ints in this order (native.py: SHAPE_FIELDS).
-struct Shape {
-  int64_t layers, heads, kv_heads, head_dim, block, head_kind, rank, vocab, intermediate, hidden, confidence;
-};
-
-// ---- values in the model's dtype T (float, or uint16_t holding bfloat16) -------------------
-template <typename T>
-inline float rounded(float v) {  // v rounded to T, as a tensor op's result in T is
-  return round_one(static_cast<const T*>(nullptr), v);
-}
-template <typename T>
-inline T stored(float v) {
-  return from_float(static_cast<const T*>(nullptr), v);
-}
 
 // RMSNorm of one row (backbone.RMSNorm): x * 1/sqrt(mean(x^2) + eps) in float32, rounded to T,
 // times the weight, rounded again.
@@ -82,13 +65,6 @@ void norm_rope_head(const T* x, const T* norm, const float* cos, const float* si
   rope_row(normed, cos, sin, hd, out);
 }
 
-// The sums of 8 vectors as one vector (lane i: the sum of v[i]'s lanes).
-inline __m256 sums8(const __m256* v) {
-  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
 // One query q (float32, hd a multiple of 8) over `visible` keys and values of one KV head:
 // softmax(q . k * scale) weighted values, in float32.
 template <typename T>
@@ -102,7 +78,7 @@ void attend_query(const float* q, const T* keys, const T* values, int64_t visibl
       const __m256 qv = _mm256_loadu_ps(q + d);
       for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, load8(keys + (j + i) * hd + d), acc[i]);
     }
-    _mm256_storeu_ps(scores + j, _mm256_mul_ps(sums8(acc), _mm256_set1_ps(scale)));
+    _mm256_storeu_ps(scores + j, _mm256_mul_ps(horizontal_sums(acc), _mm256_set1_ps(scale)));
   }
   for (; j < visible; ++j) {
     __m256 acc = _mm256_setzero_ps();
@@ -131,62 +107,15 @@ void attend_query(const float* q, const T* keys, const T* values, int64_t visibl
   }
 }
 
-// silu(gate) * up for 8 values (F.silu in float32 rounded to T, times up rounded): sigmoid from
-// exp(-|g|), which exp8 takes.
-template <typename T>
-inline void silu_mul_8(const T* gate, const T* up, T* out) {
-  const __m256 g = load8(gate), one = _mm256_set1_ps(1.0f);
-  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), g)));
-  const __m256 positive = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_GE_OQ);
-  const __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(e, one, positive), _mm256_add_ps(one, e));
-  store8(out, round_as(gate, _mm256_mul_ps(round_as(gate, _mm256_mul_ps(g, sigmoid)), load8(up))));
-}
-
-inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
-
-// One packed linear (cpu_linear.cpp's layout) and its output size.
-struct Linear {
-  at::Tensor packed;
-  std::optional<at::Tensor> bias;
-  int64_t out = 0;
-
-  int64_t in() const { return packed.size(1) * packed.size(3); }  // padded input width
-  void operator()(const void* x, int64_t rows, void* y) const {
-    packed_linear_into(packed, out, bias ? &*bias : nullptr, x, rows, y);
-  }
-};
-
-struct Layer {
-  at::Tensor input_norm, q_norm, k_norm, mlp_norm;
-  Linear qkv, o, gate_up, down;
-};
-
-// Every weight of the round, looked up once per call by name (native.py builds the dict).
-struct Weights {
-  at::Tensor embedding, mask, context_norm, norm, token_ids, head_embed, confidence_weight;
-  Linear context_proj, context_kv, lm_head, head_out, head_gate, head_joint, confidence;
-  std::vector<Layer> layers;
-};
-
 const at::Tensor& need(const c10::Dict<std::string, at::Tensor>& all, const std::string& name) {
   const auto found = all.find(name);
   TORCH_CHECK(found != all.end(), "dspark_round: the weights lack '", name, "' (build them with native.py)");
   return found->value();
 }
 
-std::optional<at::Tensor> maybe(const c10::Dict<std::string, at::Tensor>& all, const std::string& name) {
-  const auto found = all.find(name);
-  return found == all.end() ? std::nullopt : std::optional<at::Tensor>(found->value());
-}
-
 Linear linear(const c10::Dict<std::string, at::Tensor>& all, const std::string& name, int64_t out,
               at::ScalarType dtype) {
-  Linear l{need(all, name), maybe(all, name + ".bias"), out};
-  TORCH_CHECK(l.packed.dim() == 4 && l.packed.scalar_type() == dtype && l.packed.size(0) * l.packed.size(2) >= out,
-              "dspark_round: '", name, "' is not a packed ", dtype, " weight of ", out, " outputs");
-  TORCH_CHECK(!l.bias || (packed_linear_bias_ready(l.packed, *l.bias) && l.bias->numel() == out), "dspark_round: '",
-              name, ".bias' must be ", out, " contiguous values");
-  return l;
+  return named_linear(all, name, name + ".bias", out, dtype, "dspark_round");
 }
 
 Weights collect(const c10::Dict<std::string, at::Tensor>& all, const Shape& s, at::ScalarType dtype) {
@@ -252,73 +181,6 @@ void rotary_tables(const int64_t* positions, int64_t P, int64_t hd, double theta
       cos[p * hd + i] = rounded<T>(std::cos(angle));
       sin[p * hd + i] = rounded<T>(std::sin(angle));
     }
-}
-
-// The draw of one position: argmax (temperature 0) or the inverse-CDF draw of softmax(logits / T)
-// with the float64 uniform u (vlmspec.sampling.sample_from_uniforms: the first index whose float64
-// cumulative mass reaches (1 - u) * total). probs (when drawing) receives the float32 distribution.
-int64_t draw(const float* logits, int64_t N, double temperature, double uniform, float* probs) {
-  if (temperature == 0.0) {
-    int64_t best = 0;
-    for (int64_t i = 1; i < N; ++i)
-      if (logits[i] > logits[best]) best = i;
-    return best;
-  }
-  const float t = static_cast<float>(temperature);
-  float top = -INFINITY;
-  for (int64_t i = 0; i < N; ++i) {
-    probs[i] = logits[i] / t;
-    top = std::max(top, probs[i]);
-  }
-  __m256 sums = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= N; i += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(probs + i), _mm256_set1_ps(top)));
-    _mm256_storeu_ps(probs + i, e);
-    sums = _mm256_add_ps(sums, e);
-  }
-  float total = horizontal_sum(sums);
-  for (; i < N; ++i) {
-    probs[i] = std::exp(probs[i] - top);
-    total += probs[i];
-  }
-  for (i = 0; i < N; ++i) probs[i] /= total;
-  double mass = 0.0;
-  for (i = 0; i < N; ++i) mass += static_cast<double>(probs[i]);
-  const double target = (1.0 - uniform) * mass;
-  double cumulative = 0.0;
-  for (i = 0; i < N; ++i) {
-    cumulative += static_cast<double>(probs[i]);
-    if (cumulative >= target) return i;
-  }
-  return N - 1;
-}
-
-// What one round reads and writes besides the weights.
-struct Round {
-  const Shape& s;
-  float eps, scale;
-  double temperature;
-  int64_t span, context;            // new context tokens, tokens already in the buffers
-  const int64_t* anchor;            // [1]
-  const void* features;             // [span, F padded] in T
-  const float *cos, *sin;           // [span + G, hd]: the span's positions, then the block's
-  std::vector<at::Tensor> keys, values;  // per layer [1, Hkv, capacity, hd]
-  const double* uniforms;           // [G] when drawing
-  int64_t* tokens;                  // [G] out: target ids
-  float* probs;                     // [G, N] out when drawing
-  float* confidences;               // [G] out when there is a confidence head
-};
-
-template <typename T>
-struct Scratch {  // buffers of one call, allocated before the parallel region
-  at::Tensor ctx, ctx_normed, ctx_kv, x, normed, qkv, q, attended, projected, gate_up, product, hidden, base;
-  at::Tensor head_in, head_code, head_mid, state, bias, logits, conf_in, conf_out;
-};
-
-template <typename T>
-T* ptr(const at::Tensor& t) {
-  return static_cast<T*>(t.data_ptr());
 }
 
 // out = a + b rounded to T, split over the team.
@@ -429,23 +291,7 @@ void run_block(const Weights& w, const Round& r, Scratch<T>& b, const Team& team
 #pragma omp barrier
     layer.gate_up(b.normed.data_ptr(), G, b.gate_up.data_ptr());
 #pragma omp barrier
-    const int64_t inner = s.intermediate, blocks = (inner + 7) / 8;
-    split_tasks(0, G * blocks, 64, [&](int64_t first, int64_t last) {
-      for (int64_t task = first; task < last; ++task) {
-        const int64_t g = task / blocks, j = task % blocks * 8;
-        const T* gate = ptr<T>(b.gate_up) + g * 2 * inner + j;
-        T* out = ptr<T>(b.product) + g * inner + j;
-        if (j + 8 <= inner) {
-          silu_mul_8(gate, gate + inner, out);
-        } else {  // the tail through the same 8 lanes
-          T gv[8] = {}, uv[8] = {}, ov[8];
-          std::copy(gate, gate + (inner - j), gv);
-          std::copy(gate + inner, gate + inner + (inner - j), uv);
-          silu_mul_8(gv, uv, ov);
-          std::copy(ov, ov + (inner - j), out);
-        }
-      }
-    });
+    silu_mul_rows(ptr<T>(b.gate_up), G, s.intermediate, ptr<T>(b.product));  // cpu_common.h's, as the target's
 #pragma omp barrier
     layer.down(b.product.data_ptr(), G, b.projected.data_ptr());
 #pragma omp barrier
@@ -456,83 +302,6 @@ void run_block(const Weights& w, const Round& r, Scratch<T>& b, const Team& team
 #pragma omp barrier
   w.lm_head(b.hidden.data_ptr(), G, b.base.data_ptr());
 #pragma omp barrier
-}
-
-// Phase 3: the sequential head and the draws, then the confidence head.
-template <typename T>
-void run_head(const Weights& w, const Round& r, Scratch<T>& b, const Team& team) {
-  const Shape& s = r.s;
-  const int64_t G = s.block, d = s.hidden, N = s.vocab, rank = s.rank;
-  const int64_t* token_ids = w.token_ids.data_ptr<int64_t>();
-  T* code = ptr<T>(b.head_code);   // [padded rank] z_k, the input of W2
-  T* in = ptr<T>(b.head_in);       // [padded] the gate's / joint's input
-  T* mid = ptr<T>(b.head_mid);     // [3 rank] their output
-  T* state = ptr<T>(b.state);      // [rank] the RNN state
-  float* logits = ptr<float>(b.logits);
-  int64_t previous = r.anchor[0];  // a target id
-  for (int64_t k = 0; k < G; ++k) {
-    const T* hidden = ptr<T>(b.hidden) + k * d;
-    const T* embedded = s.head_kind == kNoHead ? nullptr : ptr<T>(w.head_embed) + previous * rank;
-    if (s.head_kind == kGated || s.head_kind == kRnn) {
-      if (team.member == 0) {
-        if (s.head_kind == kGated) {  // [h_k ; W1 x]
-          std::memcpy(in, hidden, d * sizeof(T));
-          std::memcpy(in + d, embedded, rank * sizeof(T));
-        } else {  // [s ; W1 x ; h_k]
-          std::memcpy(in, state, rank * sizeof(T));
-          std::memcpy(in + rank, embedded, rank * sizeof(T));
-          std::memcpy(in + 2 * rank, hidden, d * sizeof(T));
-        }
-      }
-#pragma omp barrier
-      (s.head_kind == kGated ? w.head_gate : w.head_joint)(in, 1, mid);
-#pragma omp barrier
-    }
-    if (team.member == 0 && s.head_kind != kNoHead) {
-      for (int64_t j = 0; j < rank; ++j) {
-        const float e = to_float(embedded[j]);
-        if (s.head_kind == kVanilla) {
-          code[j] = embedded[j];
-        } else if (s.head_kind == kGated) {  // sigmoid(gate) * W1 x
-          code[j] = stored<T>(rounded<T>(sigmoid(to_float(mid[j]))) * e);
-        } else {  // keep = sigmoid(g); z = tanh(o); s = keep * s + (1 - keep) * tanh(c)
-          const float keep = rounded<T>(sigmoid(to_float(mid[j])));
-          const float candidate = rounded<T>(std::tanh(to_float(mid[rank + j])));
-          code[j] = stored<T>(std::tanh(to_float(mid[2 * rank + j])));
-          const float kept = rounded<T>(keep * to_float(state[j]));
-          const float added = rounded<T>(rounded<T>(1.0f - keep) * candidate);
-          state[j] = stored<T>(kept + added);
-        }
-      }
-    }
-    if (s.head_kind != kNoHead) {
-#pragma omp barrier
-      w.head_out(code, 1, b.bias.data_ptr());
-#pragma omp barrier
-    }
-    if (team.member == 0) {
-      const T* base = ptr<T>(b.base) + k * N;
-      const T* bias = ptr<T>(b.bias);
-      for (int64_t j = 0; j < N; ++j)
-        logits[j] = s.head_kind == kNoHead ? to_float(base[j]) : to_float(base[j]) + to_float(bias[j]);
-      const int64_t column = draw(logits, N, r.temperature, r.temperature == 0.0 ? 0.0 : r.uniforms[k],
-                                  r.probs == nullptr ? nullptr : r.probs + k * N);
-      if (r.confidences != nullptr) {  // this position's confidence input: [h_k ; W1[x_{k-1}]]
-        T* row = ptr<T>(b.conf_in) + k * b.conf_in.size(1);
-        std::memcpy(row, hidden, d * sizeof(T));
-        if (s.confidence == kWithMarkov) std::memcpy(row + d, embedded, rank * sizeof(T));
-      }
-      previous = token_ids[column];
-      r.tokens[k] = previous;
-    }
-#pragma omp barrier
-    previous = r.tokens[k];  // every member follows the drawn token
-  }
-  if (r.confidences == nullptr) return;
-  w.confidence(b.conf_in.data_ptr(), G, b.conf_out.data_ptr());
-#pragma omp barrier
-  if (team.member == 0)
-    for (int64_t k = 0; k < G; ++k) r.confidences[k] = sigmoid(to_float(ptr<T>(b.conf_out)[k]));
 }
 
 template <typename T>
@@ -583,6 +352,9 @@ void run_round(const Weights& w, Round& r, const at::TensorOptions& options) {
 }
 
 }  // namespace
+}  // namespace dspark
+
+using namespace dspark;
 
 // One drafting round of one request (see the top of this file). Returns the drafted target ids
 // [G] int64, the float32 distributions they were drawn from [G, N] (empty when greedy) and the

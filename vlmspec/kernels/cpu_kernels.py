@@ -41,15 +41,18 @@ the pool with one block a row, which is what :func:`decode_attention` reads.
 :func:`rope_write` rotates q and k and writes the new K/V in one call (at a block and an offset
 in it, or a row and a slot of a contiguous buffer).
 :func:`decoder_layers` runs every decoder layer of a step in one call: these kernels, called
-from C++ in the Python loop's order (``cpu_step.cpp``; see :mod:`vlmspec.targets.packed`).
-Where every linear is packed (AVX-512), the whole step runs in one parallel region: the
-threads make the same kernel calls as a team, each its share (a linear's blocks pulled from
-a shared counter), with a barrier between calls instead of a fork and a join per call, into
-buffers allocated once per step; bit for bit the same results (``VLMSPEC_STEP_TEAM=0``
-keeps a region per call, for comparison).
+from C++ in the order of the Python reference (``cpu_step.cpp``; see :mod:`vlmspec.targets.packed`),
+over the layers' named weights (:func:`decoder_weights`, built once when a decoder packs). Its
+linears are packed (AVX-512), and the whole step runs in one parallel region: the threads make
+the same kernel calls as a team, each its share (a linear's blocks pulled from a shared counter),
+with a barrier between calls instead of a fork and a join per call, into buffers allocated once
+per step; bit for bit the reference's results.
 
-The kernels (``cpu_linear.cpp``, ``cpu_kernels.cpp``, ``cpu_step.cpp``, ``cpu_common.h``, and
-``cpu_draft.cpp``: a DSpark drafting round in one call, see :mod:`vlmspec.drafters.dspark.native`) are
+The kernels (``cpu_linear.cpp`` and ``cpu_packed.cpp``: the linears; ``cpu_kernels.cpp``: norm,
+RoPE + KV write and the registrations; ``cpu_attention.cpp``; ``cpu_step.cpp``: the native step;
+``cpu_sampling.cpp``; ``cpu_draft.cpp`` and ``cpu_draft_head.cpp``: a DSpark drafting round in
+one call, see :mod:`vlmspec.drafters.dspark.native`; the headers ``cpu_common.h``,
+``cpu_layers.h`` and ``cpu_draft.h``) are
 compiled on first use, once per machine and torch version, into ``$VLMSPEC_CACHE/kernels``
 (about 20 s; needs a C++ compiler, which ``scripts/setup.sh`` installs, and ninja, which
 ``pip install vlmspec`` brings; the compiler is ``c++`` or ``$CXX``, torch's convention).
@@ -78,14 +81,20 @@ from vlmspec.paths import default_cache_dir
 KERNEL_ENV = "VLMSPEC_CPU_KERNEL"
 # "avx2" holds an AVX-512 CPU to the AVX2 kernels (read by the kernel at each call): for tests and A/B timings.
 ISA_ENV = "VLMSPEC_CPU_ISA"
-# "0" keeps the native layer loop's fork-join form (a parallel region per kernel call) instead of one
-# region for the whole step with a barrier between calls (read at every step): for A/B timings.
-STEP_TEAM_ENV = "VLMSPEC_STEP_TEAM"
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_kernels.cpp", "cpu_linear.cpp", "cpu_step.cpp", "cpu_sampling.cpp", "cpu_draft.cpp")
+    for name in (
+        "cpu_kernels.cpp",
+        "cpu_attention.cpp",
+        "cpu_linear.cpp",
+        "cpu_packed.cpp",
+        "cpu_step.cpp",
+        "cpu_sampling.cpp",
+        "cpu_draft.cpp",
+        "cpu_draft_head.cpp",
+    )
 )
-HEADER = Path(__file__).with_name("cpu_common.h")
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_common.h", "cpu_layers.h", "cpu_draft.h"))
 # Measured on the AVX2 EPYC, a pass over every linear of the reference target: the kernel
 # beats ATen's GEMM at every row count up to 64 (float32 223 against 333 ms at 64 rows,
 # bfloat16 252 against 1,051). Past that, products become compute bound and a GEMM library
@@ -221,42 +230,60 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [B, 2I] (gate, then up) 
     return torch.ops.vlmspec.silu_mul(gate_up)
 
 
+#: The names of one decoder layer's tensors in :func:`decoder_weights` (``*_bias`` optional).
+LAYER_TENSORS = (
+    "input_norm",
+    "qkv",
+    "qkv_bias",
+    "out",
+    "out_bias",
+    "post_norm",
+    "gate_up",
+    "gate_up_bias",
+    "down",
+    "down_bias",
+)
+#: The linears of a layer, whose output sizes :func:`decoder_weights` takes by these names.
+LAYER_LINEARS = ("qkv", "out", "gate_up", "down")
+
+
+def decoder_weights(
+    layers: list[dict[str, torch.Tensor]],  # per layer: LAYER_TENSORS by name (None or absent: no bias)
+    out_features: list[dict[str, int]],  # per layer: LAYER_LINEARS' output sizes by name
+    heads: int,
+    head_dim: int,
+    eps: float,
+    scaling: float,
+) -> torch.ScriptObject:
+    """The named weight layout of :func:`decoder_layers` (``cpu_layers.h``: DecoderWeights), built once.
+
+    Linear weights are :func:`pack_weight`'s, at their natural input widths; the norms' weights
+    are [d]; all in one dtype. Raises RuntimeError naming the tensor that does not fit.
+    """
+    weights = torch.classes.vlmspec.DecoderWeights(heads, head_dim, eps, scaling)
+    for tensors, sizes in zip(layers, out_features, strict=True):
+        weights.add_layer({name: t for name, t in tensors.items() if t is not None}, dict(sizes))
+    return weights
+
+
 def decoder_layers(
+    weights: torch.ScriptObject,  # from decoder_weights
     hidden: torch.Tensor,  # [B, d] the packed tokens' embeddings
     cos: torch.Tensor,  # [B, hd] in hidden's dtype
     signed_sin: torch.Tensor,  # [B, hd] the sin with its first half negated
-    weights: list[torch.Tensor | None],  # per layer: input norm, qkv W, b, o W, b, post norm, gate_up W, b, down W, b
-    out_features: list[int],  # per layer: the qkv, o, gate_up and down linears' output sizes
     keys: list[torch.Tensor],  # per layer [N, Hkv, bs, hd] block pool (see paged_attention)
     values: list[torch.Tensor],  # per layer [N, Hkv, bs, hd]
     tables: torch.Tensor,  # [R, M] int64 each row's blocks
     rows: torch.Tensor,  # [B] int64 row of each token
     slots: torch.Tensor,  # [B] int64 its slot in its row: written there, attends slots 0 .. slots[b]
-    heads: int,
-    eps: float,
-    scaling: float,
     feature_layers: list[int],
 ) -> list[torch.Tensor]:  # [hidden after the last layer [B, d], then after each of feature_layers]
-    """Every decoder layer of a packed step in one call: the Python loop's kernel calls, in its order, from C++.
+    """Every decoder layer of a packed step in one call: the Python reference's kernel calls, in its order, from C++.
 
-    A linear weight of 4 dims is one :func:`pack_weight` made, of 2 dims one :func:`skinny_linear`
-    reads; biases may be None. :class:`vlmspec.targets.packed.PackedDecoder` builds the lists.
+    :class:`vlmspec.targets.packed.PackedDecoder` builds ``weights`` when it packs.
     """
     return torch.ops.vlmspec.decoder_layers(
-        hidden,
-        cos,
-        signed_sin,
-        weights,
-        out_features,
-        keys,
-        values,
-        tables,
-        rows,
-        slots,
-        heads,
-        eps,
-        scaling,
-        feature_layers,
+        weights, hidden, cos, signed_sin, keys, values, tables, rows, slots, feature_layers
     )
 
 
@@ -343,6 +370,6 @@ def _kernel_loaded() -> bool:
 
 def _build_directory() -> Path:
     """One directory per source and torch version, so that an edit or an upgrade rebuilds."""
-    code = b"".join(path.read_bytes() for path in (*SOURCES, HEADER))
+    code = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     digest = hashlib.sha256(code + torch.__version__.encode() + " ".join(CFLAGS).encode())
     return default_cache_dir() / "kernels" / digest.hexdigest()[:16]

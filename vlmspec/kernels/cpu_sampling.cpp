@@ -29,25 +29,14 @@ namespace vlmspec_cpu {
 namespace {
 
 // ---- exp of 8 floats <= 0, with float32's subnormal range ------------------------------------
-// Cody-Waite reduction to r in [-ln2/2, ln2/2], Cephes' degree-6 polynomial (about 1 ulp), then
-// 2^n applied in two halves so that results down to the smallest subnormal are formed (a single
-// 2^n would need n >= -126). exp(0) is exactly 1; below -104 (and -inf) the result is 0, where
-// float32 exp rounds to 0 too.
+// exp8_reduced (cpu_common.h), then 2^n applied in two halves so that results down to the
+// smallest subnormal are formed (a single 2^n would need n >= -126). exp(0) is exactly 1; below
+// -104 (and -inf) the result is 0, where float32 exp rounds to 0 too.
 inline __m256 exp8_subnormal(__m256 x) {
   const __m256 floor_x = _mm256_set1_ps(-104.0f);
   const __m256 underflow = _mm256_cmp_ps(x, floor_x, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, floor_x);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256 n;
+  const __m256 y = exp8_reduced(_mm256_max_ps(x, floor_x), &n);
   const __m256i whole = _mm256_cvtps_epi32(n);                 // in [-150, 0]
   const __m256i half = _mm256_srai_epi32(whole, 1);            // >= -75: 2^half is a normal float
   const __m256i rest = _mm256_sub_epi32(whole, half);          // >= -75 too

@@ -1,100 +1,27 @@
 // Every decoder layer of a packed decode/verify step in one call (vlmspec/targets/packed.py).
 //
-// PackedDecoder's Python loop makes about twelve operator calls per decoder layer, each a trip
+// PackedDecoder's Python reference makes about twelve operator calls per decoder layer, each a trip
 // through the interpreter and torch's dispatcher: on the 2-core AVX-512 EPYC about a third of a
-// bfloat16 step of the reference target (issue #32). This loop makes the same calls to the same
-// kernels in the same order, as C++ function calls, so it computes bit for bit what the Python
-// loop computes; the residual adds stay ATen's for the same reason, and SiLU(gate) * up is
-// silu_mul (below), which the Python loop calls too. It covers the case the Python loop runs with
-// one kernel call per step: no q/k norms, the kernel's RMSNorm, every linear on vlmspec's kernel,
-// SiLU, the fused RoPE + KV write and decode_attention. PackedDecoder checks that once, when it packs.
+// bfloat16 step of the reference target (issue #32). This step makes the same kernel calls in the
+// same order, as C++ function calls, so it computes bit for bit what the reference computes.
+//
+// It runs in one parallel region for the whole step (the team of cpu_common.h): every thread makes
+// the same calls, each its share (a linear's blocks pulled from a shared counter), with a barrier
+// between calls, into buffers allocated once per step. A fork and a join per call (a dozen a layer)
+// left one thread waiting while the other ran the serial pieces (allocations, ATen's adds, the
+// calls' checks): about a third of a bfloat16 step (docs/design.md §21.1). It covers the case where
+// the reference makes one kernel call per step: no q/k norms, the kernel's RMSNorm, every linear
+// packed (AVX-512; AVX512-BF16 for bfloat16) at its natural input width, SiLU, the fused RoPE + KV
+// write and the paged attention. PackedDecoder checks that once, when it packs, and builds the
+// layers' DecoderWeights (cpu_layers.h) then.
 
-#include "cpu_common.h"
+#include <atomic>
+
+#include "cpu_layers.h"
 
 namespace vlmspec_cpu {
-namespace {
 
-// One layer's tensors in the flat weight list, in this order (PackedDecoder flattens them so):
-// a 4-D linear weight was packed by pack_weight (the "packed" backend), a 2-D one is read as
-// stored (the "kernel" backend); biases are optional.
-enum WeightSlot : int64_t {
-  kInputNorm, kQkv, kQkvBias, kOut, kOutBias, kPostNorm, kGateUp, kGateUpBias, kDown, kDownBias, kWeightsPerLayer
-};
-// Output features of the four linears (a packed weight is padded, so its shape does not say).
-enum LinearSlot : int64_t { kQkvOut, kOutOut, kGateUpOut, kDownOut, kLinearsPerLayer };
-
-// What every layer of one step shares.
-struct StepInputs {
-  at::Tensor cos, signed_sin;  // [B, hd] in the model's dtype
-  at::Tensor tables;           // [R, M] int64: each row's blocks in the KV pool
-  at::Tensor rows;             // [B] int64: each packed token's row
-  at::Tensor blocks, offsets;  // [B] int64: the pool block its K/V go to, and the offset in it
-  at::Tensor visible;          // [B] int64: its slot + 1, a token sees its row up to its own slot
-  int64_t heads;
-  double eps, scaling;
-};
-
-// One layer's view into the flat lists.
-struct LayerWeights {
-  const c10::List<std::optional<at::Tensor>>& all;
-  int64_t first;  // index of this layer's kInputNorm
-  const int64_t* out_features;
-
-  at::Tensor get(WeightSlot slot) const { return all.get(first + slot).value(); }
-  std::optional<at::Tensor> bias(WeightSlot slot) const { return all.get(first + slot); }
-};
-
-// x @ W.T + b on the backend PackedLinear chose for W (same kernel, same arguments as its __call__).
-at::Tensor linear(const at::Tensor& x, const LayerWeights& layer, WeightSlot weight, LinearSlot out) {
-  const at::Tensor w = layer.get(weight);
-  const std::optional<at::Tensor> bias = layer.bias(static_cast<WeightSlot>(weight + 1));  // right after its weight
-  return w.dim() == 4 ? packed_linear_op(x, w, layer.out_features[out], bias) : skinny_linear(x, w, bias);
-}
-
-// ---- SiLU(gate) * up in one call --------------------------------------------------------
-// ATen's silu and mul are two dispatches and two passes over [B, I] (about 12 us a layer for one
-// token in bfloat16, 24 for eight). Here each value is silu(g) = g * sigmoid(g) in float32, with
-// sigmoid from exp8(-|g|) (exact to a few ulp of float32: the rounding to bfloat16 hides that),
-// rounded to the model's dtype, times u, rounded again: the roundings of act(gate) * up.
-
-template <typename T>
-inline void silu_mul_8(const T* gate, const T* up, T* out) {
-  const __m256 g = load8(gate);
-  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), g)));  // exp(-|g|)
-  const __m256 one = _mm256_set1_ps(1.0f);
-  const __m256 positive = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_GE_OQ);
-  const __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(e, one, positive), _mm256_add_ps(one, e));
-  const __m256 activated = round_as(gate, _mm256_mul_ps(g, sigmoid));
-  store8(out, round_as(gate, _mm256_mul_ps(activated, load8(up))));
-}
-
-// Blocks of 8 values, split between the threads (a verify's 8 rows of 4,608 values is too little
-// for whole rows a thread: the threads' wake-up would cost more than it saves).
-template <typename T>
-void silu_mul_rows(const T* gate_up, int64_t rows, int64_t inner, T* out) {
-  const int64_t blocks = (inner + 7) / 8;
-  split_tasks(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t index = begin; index < end; ++index) {
-      const int64_t r = index / blocks, j = (index % blocks) * 8;
-      const T* gate = gate_up + r * 2 * inner + j;
-      const T* up = gate + inner;
-      T* row_out = out + r * inner + j;
-      if (j + 8 <= inner) {
-        silu_mul_8(gate, up, row_out);
-      } else {  // the tail through the same 8 lanes, so every value takes the same arithmetic
-        T g[8] = {}, u[8] = {}, o[8];
-        std::copy(gate, gate + (inner - j), g);
-        std::copy(up, up + (inner - j), u);
-        silu_mul_8(g, u, o);
-        std::copy(o, o + (inner - j), row_out);
-      }
-    }
-  });
-}
-
-}  // namespace
-
-// gate_up [B, 2I] (gate, then up, as chunk(2, dim=-1) splits it) -> [B, I].
+// gate_up [B, 2I] (gate, then up, as chunk(2, dim=-1) splits it) -> [B, I]; the reference's SiLU(gate) * up.
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul: gate_up [B, 2I] expected, got ",
               gate_up.sizes());
@@ -111,54 +38,42 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+void DecoderWeights::add_layer(const c10::Dict<std::string, at::Tensor>& tensors,
+                               const c10::Dict<std::string, int64_t>& out_features) {
+  const char* what = "DecoderWeights.add_layer";
+  auto norm = [&](const std::string& name) {
+    const auto found = tensors.find(name);
+    TORCH_CHECK(found != tensors.end(), what, ": the weights lack '", name, "'");
+    return found->value();
+  };
+  auto outputs = [&](const std::string& name) {
+    const auto found = out_features.find(name);
+    TORCH_CHECK(found != out_features.end(), what, ": the output sizes lack '", name, "'");
+    return found->value();
+  };
+  const at::Tensor input_norm = norm("input_norm"), post_norm = norm("post_norm");
+  const at::ScalarType dtype = input_norm.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, what, ": float32 or bfloat16 weights, got ", dtype);
+  TORCH_CHECK(layers.empty() || dtype == this->dtype(), what, ": every layer in one dtype");
+  DecoderLayerWeights layer{input_norm, post_norm,
+                            named_linear(tensors, "qkv", "qkv_bias", outputs("qkv"), dtype, what),
+                            named_linear(tensors, "out", "out_bias", outputs("out"), dtype, what),
+                            named_linear(tensors, "gate_up", "gate_up_bias", outputs("gate_up"), dtype, what),
+                            named_linear(tensors, "down", "down_bias", outputs("down"), dtype, what)};
+  const int64_t d = input_norm.numel();
+  for (const at::Tensor& weight : {input_norm, post_norm})
+    TORCH_CHECK(weight.dim() == 1 && weight.numel() == d && weight.is_contiguous() && weight.scalar_type() == dtype,
+                what, ": the norms' weights must be [d] contiguous, in one dtype");
+  // The step writes each linear's output at its natural width and the next linear reads it at its packed one.
+  TORCH_CHECK(layer.qkv.in() == d && layer.out.in() == heads * head_dim && layer.gate_up.in() == d &&
+                  layer.out.out == d && layer.down.out == d && layer.gate_up.out % 2 == 0 &&
+                  layer.down.in() == layer.gate_up.out / 2 && layer.qkv.out > heads * head_dim &&
+                  (layer.qkv.out - heads * head_dim) % (2 * head_dim) == 0,
+              what, ": a packed weight's width differs from the layer's (an odd width in bfloat16?)");
+  layers.push_back(std::move(layer));
+}
+
 namespace {
-
-// Attention block: norm, q/k/v, RoPE + KV write, attention, output projection, residual.
-at::Tensor attention_block(const at::Tensor& hidden, const LayerWeights& layer, at::Tensor keys, at::Tensor values,
-                           const StepInputs& step) {
-  const at::Tensor x = rms_norm(hidden, layer.get(kInputNorm), step.eps);
-  const at::Tensor qkv = linear(x, layer, kQkv, kQkvOut);  // [B, (H + 2 Hkv) hd]
-  const at::Tensor q = rope_write(qkv, step.cos, step.signed_sin, keys, values, step.blocks, step.offsets, step.heads);
-  const at::Tensor attended = paged_attention(q, keys, values, step.tables, step.rows, step.visible, step.scaling);
-  return at::add(hidden, linear(attended.reshape({hidden.size(0), -1}), layer, kOut, kOutOut));
-}
-
-// MLP block: norm, gate/up, silu_mul, down projection, residual.
-at::Tensor mlp_block(const at::Tensor& hidden, const LayerWeights& layer, const StepInputs& step) {
-  const at::Tensor gate_up = linear(rms_norm(hidden, layer.get(kPostNorm), step.eps), layer, kGateUp, kGateUpOut);
-  return at::add(hidden, linear(silu_mul(gate_up), layer, kDown, kDownOut));
-}
-
-void check_inputs(const at::Tensor& hidden, const c10::List<std::optional<at::Tensor>>& weights,
-                  at::IntArrayRef out_features, at::TensorList keys, at::TensorList values,
-                  at::IntArrayRef feature_layers) {
-  const int64_t layers = static_cast<int64_t>(keys.size());
-  TORCH_CHECK(hidden.dim() == 2, "decoder_layers: hidden [B, d] expected, got ", hidden.sizes());
-  TORCH_CHECK(static_cast<int64_t>(values.size()) == layers &&
-                  static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer &&
-                  static_cast<int64_t>(out_features.size()) == layers * kLinearsPerLayer,
-              "decoder_layers: per layer ", kWeightsPerLayer, " weights, ", kLinearsPerLayer,
-              " output sizes and one key and value buffer expected (build them with PackedDecoder); got ",
-              weights.size(), " weights, ", out_features.size(), " sizes, ", keys.size(), " and ", values.size(),
-              " buffers");
-  for (int64_t layer = 0; layer < layers; ++layer)
-    for (WeightSlot slot : {kInputNorm, kQkv, kOut, kPostNorm, kGateUp, kDown})
-      TORCH_CHECK(weights.get(layer * kWeightsPerLayer + slot).has_value(), "decoder_layers: layer ", layer,
-                  " lacks its weight ", static_cast<int64_t>(slot));
-  for (int64_t index : feature_layers)
-    TORCH_CHECK(index >= 0 && index < layers, "decoder_layers: feature layer ", index, " is not one of the ",
-                layers, " layers");
-}
-
-// ---- every layer in one parallel region -----------------------------------------------------
-// The loop below forks and joins the threads at each parallel call (about six a layer), and
-// between calls one thread runs the serial pieces (allocations, ATen's adds, the calls' checks)
-// while the other waits: about a third of a bfloat16 step on the 2-core EPYC (docs/design.md
-// §21.1). The team step enters one parallel region for the whole step: both threads make the same
-// calls as a team (split_tasks: each its share), with a barrier between calls, into buffers
-// allocated once per step. The same kernels with the same arithmetic, so the results are the
-// loop's bit for bit. It takes the case where every linear is packed (AVX-512) and its input
-// width is the packed width; VLMSPEC_STEP_TEAM=0 keeps the fork-join loop (for comparison).
 
 template <typename T>
 void add_blocks(const T* a, const T* b, int64_t n, T* out) {  // out = a + b, rounded as ATen's add rounds
@@ -192,67 +107,25 @@ void silu_mul_into(const at::Tensor& gate_up, const at::Tensor& out) {
                   reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
 }
 
-// One linear of the team step: its packed weight, bias and output size.
-struct TeamLinear {
-  at::Tensor packed;
-  std::optional<at::Tensor> bias;
-  int64_t out_features;
-
-  void operator()(const at::Tensor& x, const at::Tensor& out) const {
-    packed_linear_into(packed, out_features, bias ? &*bias : nullptr, x.data_ptr(), x.size(0), out.data_ptr());
-  }
-};
-struct TeamLayer {
-  at::Tensor input_norm, post_norm;
-  TeamLinear qkv, out, gate_up, down;
+// What every layer of one step shares besides the weights.
+struct StepInputs {
+  at::Tensor cos, signed_sin;  // [B, hd] in the model's dtype
+  at::Tensor tables;           // [R, M] int64: each row's blocks in the KV pool
+  at::Tensor rows;             // [B] int64: each packed token's row
+  at::Tensor blocks, offsets;  // [B] int64: the pool block its K/V go to, and the offset in it
+  at::Tensor visible;          // [B] int64: its slot + 1, a token sees its row up to its own slot
 };
 
-// The layers as the team step runs them, or none where it does not apply (the fork-join loop runs).
-std::vector<TeamLayer> team_layers(const at::Tensor& hidden, const c10::List<std::optional<at::Tensor>>& weights,
-                                   at::IntArrayRef out_features, at::TensorList keys, at::TensorList values,
-                                   int64_t heads) {
-  const char* setting = std::getenv("VLMSPEC_STEP_TEAM");
-  if (setting != nullptr && std::strcmp(setting, "0") == 0) return {};
-  const at::ScalarType dtype = hidden.scalar_type();
-  if (keys.empty() || hidden.size(0) == 0) return {};
-  if (dtype == at::kBFloat16 ? !cpu_has_avx512_bf16() : (dtype != at::kFloat || !cpu_has_avx512())) return {};
-  const int64_t d = hidden.size(1), hd = keys[0].size(3);
-  std::vector<TeamLayer> layers;
-  for (int64_t index = 0; index < static_cast<int64_t>(keys.size()); ++index) {
-    const LayerWeights layer{weights, index * kWeightsPerLayer, out_features.data() + index * kLinearsPerLayer};
-    if (!keys[index].is_contiguous() || !values[index].is_contiguous() || keys[index].scalar_type() != dtype ||
-        values[index].scalar_type() != dtype)
-      return {};
-    const int64_t inputs[kLinearsPerLayer] = {d, heads * hd, d, layer.out_features[kGateUpOut] / 2};
-    const WeightSlot slots[kLinearsPerLayer] = {kQkv, kOut, kGateUp, kDown};
-    TeamLinear linears[kLinearsPerLayer];
-    for (int64_t j = 0; j < kLinearsPerLayer; ++j) {
-      const at::Tensor w = layer.get(slots[j]);
-      const std::optional<at::Tensor> bias = layer.bias(static_cast<WeightSlot>(slots[j] + 1));
-      if (w.dim() != 4 || w.scalar_type() != dtype || w.size(1) * w.size(3) != inputs[j] ||
-          (bias && !packed_linear_bias_ready(w, *bias)))
-        return {};
-      linears[j] = TeamLinear{w, bias, layer.out_features[j]};
-    }
-    const at::Tensor input_norm = layer.get(kInputNorm), post_norm = layer.get(kPostNorm);
-    if (input_norm.scalar_type() != dtype || post_norm.scalar_type() != dtype || !input_norm.is_contiguous() ||
-        !post_norm.is_contiguous())
-      return {};
-    layers.push_back(TeamLayer{input_norm, post_norm, linears[0], linears[1], linears[2], linears[3]});
-  }
-  return layers;
-}
-
-std::vector<at::Tensor> team_step(const std::vector<TeamLayer>& layers, const at::Tensor& hidden,
-                                  const StepInputs& step, at::TensorList keys, at::TensorList values,
-                                  at::IntArrayRef feature_layers) {
-  const int64_t B = hidden.size(0), d = hidden.size(1), H = step.heads, hd = keys[0].size(3);
-  const int64_t inner = layers[0].gate_up.out_features / 2;
+// The layer sequence, once for the whole step (see the top of the file).
+std::vector<at::Tensor> team_step(const DecoderWeights& weights, const at::Tensor& hidden, const StepInputs& step,
+                                  at::TensorList keys, at::TensorList values, at::IntArrayRef feature_layers) {
+  const int64_t B = hidden.size(0), d = hidden.size(1), H = weights.heads, hd = weights.head_dim;
+  const std::vector<DecoderLayerWeights>& layers = weights.layers;
+  const int64_t inner = layers[0].gate_up.out / 2;
   const at::TensorOptions options = hidden.options();
   const at::Tensor state = hidden.clone(at::MemoryFormat::Contiguous), normed = at::empty({B, d}, options);
-  const at::Tensor qkv = at::empty({B, layers[0].qkv.out_features}, options), q = at::empty({B, H, hd}, options);
+  const at::Tensor qkv = at::empty({B, layers[0].qkv.out}, options), q = at::empty({B, H, hd}, options);
   const at::Tensor attended = at::empty({B, H, hd}, options), projected = at::empty({B, d}, options);
-  const at::Tensor attended_rows = attended.view({B, H * hd});  // the output projection's input
   const at::Tensor gate_up = at::empty({B, 2 * inner}, options), product = at::empty({B, inner}, options);
   std::vector<at::Tensor> out(1 + feature_layers.size());
   for (size_t j = 0; j < feature_layers.size(); ++j) out[1 + j] = at::empty({B, d}, options);
@@ -270,28 +143,28 @@ std::vector<at::Tensor> team_step(const std::vector<TeamLayer>& layers, const at
     current_team = &team;
     team_dynamic_calls = 0;
     for (size_t index = 0; index < layers.size(); ++index) {
-      const TeamLayer& layer = layers[index];
-      rms_norm_into(layer.input_norm, state.data_ptr(), B, d, step.eps, normed.data_ptr(), 1);
+      const DecoderLayerWeights& layer = layers[index];
+      rms_norm_into(layer.input_norm, state.data_ptr(), B, d, weights.eps, normed.data_ptr(), 1);
 #pragma omp barrier
-      layer.qkv(normed, qkv);
+      layer.qkv(normed.data_ptr(), B, qkv.data_ptr());
 #pragma omp barrier
       rope_write_into(qkv.data_ptr(), step.cos.data_ptr(), step.signed_sin.data_ptr(), keys[index], values[index],
                       blocks, offsets, B, H, q.data_ptr(), 1);
 #pragma omp barrier
-      attention_into(q.data_ptr(), bf16, keys[index], values[index], pages, rows, visible, B, H, step.scaling, grain,
-                     attended.data_ptr());
+      attention_into(q.data_ptr(), bf16, keys[index], values[index], pages, rows, visible, B, H, weights.scaling,
+                     grain, attended.data_ptr());
 #pragma omp barrier
-      layer.out(attended_rows, projected);
+      layer.out(attended.data_ptr(), B, projected.data_ptr());
 #pragma omp barrier
       add_into(state, projected, state);
 #pragma omp barrier
-      rms_norm_into(layer.post_norm, state.data_ptr(), B, d, step.eps, normed.data_ptr(), 1);
+      rms_norm_into(layer.post_norm, state.data_ptr(), B, d, weights.eps, normed.data_ptr(), 1);
 #pragma omp barrier
-      layer.gate_up(normed, gate_up);
+      layer.gate_up(normed.data_ptr(), B, gate_up.data_ptr());
 #pragma omp barrier
       silu_mul_into(gate_up, product);
 #pragma omp barrier
-      layer.down(product, projected);
+      layer.down(product.data_ptr(), B, projected.data_ptr());
 #pragma omp barrier
       add_into(state, projected, state);
 #pragma omp barrier
@@ -322,50 +195,66 @@ std::pair<at::Tensor, at::Tensor> slot_blocks(const at::Tensor& tables, const at
   return {blocks, offsets};
 }
 
+void check_inputs(const DecoderWeights& weights, const at::Tensor& hidden, const at::Tensor& cos,
+                  const at::Tensor& signed_sin, at::TensorList keys, at::TensorList values,
+                  at::IntArrayRef feature_layers) {
+  const int64_t layers = weights.num_layers();
+  TORCH_CHECK(layers > 0, "decoder_layers: the DecoderWeights hold no layer");
+  const at::ScalarType dtype = weights.dtype();
+  TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == weights.layers[0].input_norm.numel() &&
+                  hidden.scalar_type() == dtype && cos.scalar_type() == dtype && signed_sin.scalar_type() == dtype,
+              "decoder_layers: hidden [B, d], cos and signed_sin in the weights' dtype ", dtype, " expected, got ",
+              hidden.sizes(), " ", hidden.scalar_type());
+  TORCH_CHECK(dtype == at::kBFloat16 ? cpu_has_avx512_bf16() : cpu_has_avx512(), "decoder_layers: the packed "
+              "weights need ", dtype == at::kBFloat16 ? "AVX512-BF16" : "AVX-512", " (check kernel_isa() when packing)");
+  TORCH_CHECK(static_cast<int64_t>(keys.size()) == layers && static_cast<int64_t>(values.size()) == layers,
+              "decoder_layers: one key and one value buffer per layer expected; got ", keys.size(), " and ",
+              values.size(), " for ", layers, " layers");
+  for (int64_t layer = 0; layer < layers; ++layer)
+    for (const at::Tensor& pool : {keys[layer], values[layer]})
+      TORCH_CHECK(pool.dim() == 4 && pool.is_contiguous() && pool.scalar_type() == dtype &&
+                      pool.sizes() == keys[0].sizes() && pool.size(3) == weights.head_dim,
+                  "decoder_layers: layer ", layer, "'s KV pool must be contiguous [N, Hkv, bs, ", weights.head_dim,
+                  "] in ", dtype);
+  for (int64_t index : feature_layers)
+    TORCH_CHECK(index >= 0 && index < layers, "decoder_layers: feature layer ", index, " is not one of the ",
+                layers, " layers");
+}
+
 // hidden [B, d] after the embedding; tables [R, M] each row's blocks in the pools keys/values (per layer
 // [N, Hkv, bs, hd]); rows, slots [B] each token's row and slot in it. Returns [hidden after the last
 // layer, then the hidden states after each of feature_layers, in that order].
-std::vector<at::Tensor> decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& signed_sin,
-                                       const c10::List<std::optional<at::Tensor>>& weights,
-                                       at::IntArrayRef out_features, at::TensorList keys, at::TensorList values,
-                                       const at::Tensor& tables, const at::Tensor& rows, const at::Tensor& slots,
-                                       int64_t heads, double eps, double scaling, at::IntArrayRef feature_layers) {
-  check_inputs(hidden, weights, out_features, keys, values, feature_layers);
+std::vector<at::Tensor> decoder_layers(const c10::intrusive_ptr<DecoderWeights>& weights, const at::Tensor& hidden,
+                                       const at::Tensor& cos, const at::Tensor& signed_sin, at::TensorList keys,
+                                       at::TensorList values, const at::Tensor& tables, const at::Tensor& rows,
+                                       const at::Tensor& slots, at::IntArrayRef feature_layers) {
+  check_inputs(*weights, hidden, cos, signed_sin, keys, values, feature_layers);
   TORCH_CHECK(tables.dim() == 2 && KVPages::readable(tables.size(1), keys[0].size(2)),
               "decoder_layers: block tables [R, M] over blocks of a power of two from 16 slots (or one block a row)");
-  // Below autograd: the loop is inference only, and each inner call then skips that dispatch step.
+  if (hidden.size(0) == 0)  // no token: nothing to write, nothing to attend
+    return std::vector<at::Tensor>(1 + feature_layers.size(), hidden.clone());
+  // Below autograd: the step is inference only, and each inner call then skips that dispatch step.
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const at::Tensor slot_index = slots.to(at::kLong).contiguous(), row_index = rows.to(at::kLong).contiguous();
   const at::Tensor table = tables.to(at::kLong).contiguous();
   const auto [blocks, offsets] = slot_blocks(table, row_index, slot_index, keys[0]);
-  const StepInputs step{cos.contiguous(), signed_sin.contiguous(), table, row_index, blocks, offsets,
-                        slot_index + 1, heads, eps, scaling};
-  const bool same_dtype = step.cos.scalar_type() == hidden.scalar_type() &&
-                         step.signed_sin.scalar_type() == hidden.scalar_type();  // the team reads them raw
-  const std::vector<TeamLayer> team =
-      same_dtype ? team_layers(hidden, weights, out_features, keys, values, heads) : std::vector<TeamLayer>{};
-  if (!team.empty()) return team_step(team, hidden, step, keys, values, feature_layers);
-  std::vector<at::Tensor> out(1 + feature_layers.size());
-  at::Tensor state = hidden.contiguous();
-  for (int64_t index = 0; index < static_cast<int64_t>(keys.size()); ++index) {
-    const LayerWeights layer{weights, index * kWeightsPerLayer, out_features.data() + index * kLinearsPerLayer};
-    state = mlp_block(attention_block(state, layer, keys[index], values[index], step), layer, step);
-    for (size_t j = 0; j < feature_layers.size(); ++j)
-      if (feature_layers[j] == index) out[1 + j] = state;  // each layer's state is a new tensor: never overwritten
-  }
-  out[0] = state;
-  return out;
+  const StepInputs step{cos.contiguous(), signed_sin.contiguous(), table, row_index, blocks, offsets, slot_index + 1};
+  return team_step(*weights, hidden, step, keys, values, feature_layers);
 }
 
 }  // namespace
 }  // namespace vlmspec_cpu
 
 TORCH_LIBRARY_FRAGMENT(vlmspec, m) {
+  m.class_<vlmspec_cpu::DecoderWeights>("DecoderWeights")
+      .def(torch::init<int64_t, int64_t, double, double>())
+      .def("add_layer", &vlmspec_cpu::DecoderWeights::add_layer)
+      .def("num_layers", &vlmspec_cpu::DecoderWeights::num_layers);
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def(
-      "decoder_layers(Tensor hidden, Tensor cos, Tensor signed_sin, Tensor?[] weights, int[] out_features, "
-      "Tensor(a!)[] keys, Tensor(b!)[] values, Tensor tables, Tensor rows, Tensor slots, int heads, float eps, "
-      "float scaling, int[] feature_layers) -> Tensor[]");
+      "decoder_layers(__torch__.torch.classes.vlmspec.DecoderWeights weights, Tensor hidden, Tensor cos, "
+      "Tensor signed_sin, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor tables, Tensor rows, Tensor slots, "
+      "int[] feature_layers) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(vlmspec, CPU, m) {

@@ -2,7 +2,7 @@
 
 Everything that differs between Qwen2-VL, Qwen2.5-VL and Qwen3-VL (and the MoE variant
 of Qwen3-VL) is a field of a :class:`FamilySpec`: where the language model sits, its
-MLP kind, how M-RoPE lays the three position components over the rotary frequencies,
+MLP kind, whether attention normalises q and k per head, how M-RoPE lays the three position components over the rotary frequencies,
 whether the vision tower feeds deepstack embeddings into the first decoder layers, and
 the processor class. The rest of vlmspec reads the spec instead of checking
 ``model_type``, so a new family is one more entry here (and a tiny config in
@@ -28,6 +28,7 @@ class FamilySpec:
     name: str  # the family name used across vlmspec (training caches, profiles, tiny:FAMILY)
     rope: str  # M-RoPE layout: "sectioned" (t | h | w blocks) or "interleaved" (t h w t h w ...)
     mlp: str  # "dense" (gate/up/down, the fast path runs it) or "moe" (experts: decode="reference" only)
+    qk_norm: bool  # attention RMS-normalises each head of q and k before RoPE (Qwen3-VL): no native step
     deepstack: bool  # the vision tower also returns per-layer embeddings added after the first decoder layers
     processor: str  # the transformers processor class
     patch_size: int  # the vision tower's patch size (tiny configs and processors)
@@ -41,10 +42,10 @@ class FamilySpec:
         return self.mlp == "dense"
 
 
-QWEN2_VL = FamilySpec("qwen2_vl", "sectioned", "dense", False, "Qwen2VLProcessor", 14)
-QWEN2_5_VL = FamilySpec("qwen2_5_vl", "sectioned", "dense", False, "Qwen2_5_VLProcessor", 14)
-QWEN3_VL = FamilySpec("qwen3_vl", "interleaved", "dense", True, "Qwen3VLProcessor", 16)
-QWEN3_VL_MOE = FamilySpec("qwen3_vl", "interleaved", "moe", True, "Qwen3VLProcessor", 16)
+QWEN2_VL = FamilySpec("qwen2_vl", "sectioned", "dense", False, False, "Qwen2VLProcessor", 14)
+QWEN2_5_VL = FamilySpec("qwen2_5_vl", "sectioned", "dense", False, False, "Qwen2_5_VLProcessor", 14)
+QWEN3_VL = FamilySpec("qwen3_vl", "interleaved", "dense", True, True, "Qwen3VLProcessor", 16)
+QWEN3_VL_MOE = FamilySpec("qwen3_vl", "interleaved", "moe", True, True, "Qwen3VLProcessor", 16)
 
 # model_type (config.json) -> its family's spec
 SUPPORTED_MODEL_TYPES: dict[str, FamilySpec] = {

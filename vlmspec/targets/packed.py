@@ -22,18 +22,22 @@ bandwidth; elsewhere through oneDNN's reordered weights or ATen
   ``inv_freq``. A prefill with images passes [3, B] positions: each rotary frequency turns
   by the component the family's layout gives it (:func:`vlmspec.targets.families.rope_components`);
 * image tokens take the vision tower's embeddings instead of their placeholders', and
-  Qwen3-VL's deepstack embeddings are added after its first layers (Python loop);
+  Qwen3-VL's deepstack embeddings are added after its first layers (Python reference);
 * keys and values go straight into the runner's block-paged KV pool, and attention reads
   only each row's valid slots through its block table
   (:func:`~vlmspec.kernels.cpu_kernels.paged_attention`, or
   :func:`vlmspec.targets.ragged.attend_rows` where the kernel does not apply);
-* where every step of a layer is one of vlmspec's kernels (no q/k norms, the kernel's
-  RMSNorm, RoPE and attention, every linear on the kernel backend, SiLU: Qwen2-VL and
-  Qwen2.5-VL on an x86 CPU with the kernel built), all the layers run in one native call
-  (:func:`vlmspec.kernels.cpu_kernels.decoder_layers`): the same kernels in the same order,
-  so the same logits, features and KV bit for bit, without the dozen Python-level calls a
-  layer costs (:attr:`PackedDecoder.native`, decided once when packing). Everything else
-  (Qwen3-VL, other CPUs, more tokens than the kernel's linears take) runs the Python loop.
+* the layer sequence has one Python form, the reference, which runs every case
+  (:meth:`PackedDecoder._reference_layers`), and one C++ form, the native step
+  (``cpu_step.cpp``), which must equal it bit for bit. Where every step of a layer is one of vlmspec's kernels (no q/k
+  norms, which the family's :class:`~vlmspec.targets.families.FamilySpec` says; the kernel's
+  RMSNorm, RoPE and attention; every linear packed, which needs AVX-512; SiLU: Qwen2-VL and
+  Qwen2.5-VL on such a CPU with the kernel built), all the layers run in one native call
+  (:func:`vlmspec.kernels.cpu_kernels.decoder_layers`) over their named weights, built once
+  when packing: the same kernels in the same order, so the same logits, features and KV bit
+  for bit, without the dozen Python-level calls a layer costs (:attr:`PackedDecoder.native`).
+  Everything else (Qwen3-VL, AVX2-only CPUs, no kernel, more tokens than the kernel's
+  linears take, a prefill chunk's attention) runs the reference.
 
 It computes what transformers computes up to float rounding (the products sum in another
 order): greedy outputs agree except at numerical ties, which the benchmarks count. The
@@ -53,9 +57,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlmspec.kernels.cpu_kernels import decoder_layers, kernel_applies, kernel_max_rows, rms_norm, rope_write, silu_mul
+from vlmspec.kernels.cpu_kernels import (
+    LAYER_LINEARS,
+    LAYER_TENSORS,
+    decoder_layers,
+    decoder_weights,
+    kernel_applies,
+    kernel_max_rows,
+    rms_norm,
+    rope_write,
+    silu_mul,
+)
 from vlmspec.kernels.linear import PackedLinear, fused_linear
-from vlmspec.targets.families import language_model, model_spec, rope_components
+from vlmspec.targets.families import FamilySpec, language_model, model_spec, rope_components
 from vlmspec.targets.prompts import VisionEmbeds
 
 
@@ -107,7 +121,7 @@ def fast_norm(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 class _Layer:
     """One decoder layer's fused linears and the model's own norms (or their one-call twins) and activation."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, spec: FamilySpec) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm, self.post_norm = fast_norm(layer.input_layernorm), fast_norm(layer.post_attention_layernorm)
         self.qkv = fused_linear(attn.q_proj, attn.k_proj, attn.v_proj)
@@ -115,12 +129,12 @@ class _Layer:
         self.gate_up = fused_linear(mlp.gate_proj, mlp.up_proj)
         self.down = fused_linear(mlp.down_proj)
         self.act = mlp.act_fn
-        # SiLU(gate) * up as one kernel call where the activation is SiLU (the native loop calls the same kernel).
+        # SiLU(gate) * up as one kernel call where the activation is SiLU (the native step calls the same kernel).
         weight = mlp.down_proj.weight
         self.act_mul = silu_mul if kernel_applies(weight) and _is_silu(self.act, weight.dtype) else None
-        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3-VL: per head
-        self.q_norm = None if q_norm is None else fast_norm(q_norm)
-        self.k_norm = None if k_norm is None else fast_norm(k_norm)
+        # Qwen3-VL: per-head norms of q and k before RoPE
+        self.q_norm = fast_norm(attn.q_norm) if spec.qk_norm else None
+        self.k_norm = fast_norm(attn.k_norm) if spec.qk_norm else None
         self.split = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
 
 
@@ -131,29 +145,23 @@ def check_fast_path(model: nn.Module) -> None:
     (default RoPE only; dense gated MLPs only, not Qwen3-VL-MoE's experts) is refused at
     once rather than at its first decode step.
     """
-    text = language_model(model)
+    text, spec = language_model(model), model_spec(model)
     rope = text.config.rope_parameters or {}
     if rope.get("rope_type", "default") != "default":
         problem = f"it implements default RoPE, not {rope.get('rope_type')!r}"
-    elif any(not all(hasattr(layer.mlp, name) for name in _DENSE_MLP) for layer in text.layers):
-        sparse = next(layer.mlp for layer in text.layers if not all(hasattr(layer.mlp, n) for n in _DENSE_MLP))
-        problem = (
-            f"it runs dense gated MLPs ({', '.join(_DENSE_MLP)}), not {type(sparse).__name__} (mixture of experts)"
-        )
+    elif not spec.fast:
+        problem = f"it runs dense gated MLPs (gate/up/down), not {spec.mlp!r} ones (mixture of experts)"
     else:
         return
     raise ValueError(f"the fast decode path cannot run this target: {problem}; load it with decode='reference'")
 
 
-_DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
-
-
 class PackedDecoder:
     """The target's text decoder for packed decode/verify tokens (see the module docstring).
 
-    ``native`` holds the one-call layer loop where it applies (decided here, when packing),
-    else None; a caller that sets it to None gets the Python loop, the reference the tests
-    and ``benchmarks/target_step.py`` compare it with.
+    ``native`` holds the one-call native step where it applies (decided here, when packing),
+    else None; a caller that sets it to None gets the Python reference
+    (:meth:`_reference_layers`), which the tests and ``benchmarks/target_step.py`` compare it with.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -166,21 +174,20 @@ class PackedDecoder:
         self._stamp = self._source_stamp()
         self.embed = text.embed_tokens
         self.norm = fast_norm(text.norm)
-        self.layers = [_Layer(layer) for layer in text.layers]
+        self.spec = model_spec(model)  # what differs between families: read here, never probed on modules
+        self.layers = [_Layer(layer, self.spec) for layer in text.layers]
         self.head = fused_linear(model.get_output_embeddings())
         self.inv_freq = text.rotary_emb.inv_freq.detach().float()  # [hd / 2]
         # M-RoPE (prefills with images): the position component that turns each frequency, in the family's layout
         sections = list(text.rotary_emb.mrope_section)
-        self.rope_components = rope_components(model_spec(model), sections, self.inv_freq.shape[0]).to(
-            self.inv_freq.device
-        )
+        self.rope_components = rope_components(self.spec, sections, self.inv_freq.shape[0]).to(self.inv_freq.device)
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scaling = self.head_dim**-0.5
         # The one-call RoPE + KV write reproduces the eager roundings; it needs the kernel here.
         self.fused_rope = kernel_applies(self.embed.weight)
-        # All layers in one native call where the kernels cover every step, else None: the Python loop.
+        # All layers in one native call where the kernels cover every step, else None: the Python reference.
         self.native = _native_layers(self) if self.fused_rope else None
 
     def matches(self) -> bool:
@@ -214,7 +221,7 @@ class PackedDecoder:
         """Logits (and hooked decoder-layer outputs) of the packed tokens; writes their K/V into ``kv``.
 
         A prefill wants only each prompt's last prediction: ``logits_at`` keeps the LM head
-        (the largest linear) off the other tokens. The native loop does not call ``attend``:
+        (the largest linear) off the other tokens. The native step does not call ``attend``:
         it runs :func:`~vlmspec.kernels.cpu_kernels.paged_attention` with each token seeing
         its row's slots up to its own, which is the runner's ``attend`` wherever it applies.
         """
@@ -224,21 +231,21 @@ class PackedDecoder:
         cos, sin = self._rotary(positions, hidden.dtype)
         deepstack = () if vision is None else vision.deepstack
         # Past kernel_max_rows the linears are ATen's GEMM; deepstack (Qwen3-VL) and a prefill chunk's attention
-        # (one SDPA call a row, the runner's attend) run in the Python loop.
+        # (one SDPA call a row, the runner's attend) run in the Python reference.
         wide = ids.shape[0] > kernel_max_rows(hidden.dtype)
         if self.native is not None and not wide and kv.native_attention and not deepstack:
             hidden, captured = self.native(hidden, cos[:, 0], sin[:, 0], kv, feature_layers)
         else:
-            hidden, captured = self._python_layers(hidden, cos, sin, kv, attend, feature_layers, vision)
+            hidden, captured = self._reference_layers(hidden, cos, sin, kv, attend, feature_layers, vision)
         last = hidden if logits_at is None else hidden[logits_at]
         logits = self.head(self.norm(last)).float()
         features = torch.cat(captured, dim=-1) if feature_layers else None
         return logits, features
 
-    def _python_layers(
+    def _reference_layers(
         self, hidden, cos, sin, kv: KVSlots, attend, feature_layers: Sequence[int], vision: VisionEmbeds | None = None
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # hidden [B, d] -> [B, d], one [B, d] per feature layer
-        """The decoder layers one Python-level call at a time (every case; the native loop's reference).
+        """The reference layer sequence, one Python-level call at a time: every case, and what the native step must equal.
 
         Qwen3-VL's deepstack embeddings are added to the image tokens' hidden states after
         the first layers, after the hooks' capture, as transformers' text model does.
@@ -312,16 +319,19 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 
 class _NativeLayers:
-    """Every decoder layer in one call to :func:`decoder_layers`, over the layers' weights flattened once.
+    """Every decoder layer in one call to :func:`decoder_layers`, over the layers' named weights built once.
 
-    The weights are those the kernel backend prepared (:class:`PackedLinear`'s packed or
-    stored copies, the norms' weights), in the order ``cpu_step.cpp`` reads them.
+    The weights are those the kernel backend prepared (:class:`PackedLinear`'s packed copies,
+    the norms' weights), by name (``cpu_layers.h``: DecoderWeights).
     """
 
-    def __init__(self, layers: Sequence[_Layer], heads: int, scaling: float, eps: float) -> None:
-        self.weights = [tensor for layer in layers for tensor in _flat_weights(layer)]
-        self.out_features = [linear.out_features for layer in layers for linear in _linears(layer)]
-        self.heads, self.scaling, self.eps, self.num_layers = heads, scaling, eps, len(layers)
+    def __init__(self, layers: Sequence[_Layer], heads: int, head_dim: int, scaling: float, eps: float) -> None:
+        self.weights = decoder_weights(
+            [_named_tensors(layer) for layer in layers],
+            [{name: getattr(layer, name).out_features for name in LAYER_LINEARS} for layer in layers],
+            heads, head_dim, eps, scaling,
+        )  # fmt: skip
+        self.num_layers = len(layers)
 
     def __call__(
         self,
@@ -334,42 +344,51 @@ class _NativeLayers:
         buffers = [kv.buffers(index) for index in range(self.num_layers)]
         keys, values = [k for k, _ in buffers], [v for _, v in buffers]
         out = decoder_layers(
-            hidden, cos, signed_sin, self.weights, self.out_features, keys, values, kv.tables, kv.rows, kv.slots,
-            self.heads, self.eps, self.scaling, list(feature_layers),
-        )  # fmt: skip
+            self.weights, hidden, cos, signed_sin, keys, values, kv.tables, kv.rows, kv.slots, list(feature_layers)
+        )
         return out[0], out[1:]
 
 
 def _native_layers(decoder: PackedDecoder) -> _NativeLayers | None:
-    """The one-call layer loop where every step of every layer is a kernel call, else None (the Python loop).
+    """The one-call layer sequence where every step of every layer is a kernel call, else None (the reference).
 
-    The conditions are exactly those under which the Python loop makes only kernel calls
-    (plus ATen's elementwise ones), so the two compute the same thing.
+    The conditions are exactly those under which the Python reference makes only kernel calls
+    (plus ATen's elementwise ones) and every linear is packed at its natural input width (the
+    native step runs packed linears only), so the two compute the same thing.
     """
     layers = decoder.layers
     norms = [norm for layer in layers for norm in (layer.input_norm, layer.post_norm)]
     if not all(_is_kernel_norm(norm) for norm in norms) or len({norm.keywords["eps"] for norm in norms}) != 1:
         return None
-    if any(layer.q_norm is not None for layer in layers):  # Qwen3-VL: per-head norms between q/k/v and RoPE
+    if decoder.spec.qk_norm:  # Qwen3-VL: per-head norms between q/k/v and RoPE
         return None
-    if any(linear.backend not in ("packed", "kernel") for layer in layers for linear in _linears(layer)):
+    if not all(_packed_natively(linear) for layer in layers for linear in _linears(layer)):
         return None
     if decoder.head_dim % 8 or any(layer.act_mul is None for layer in layers):
-        return None  # decode_attention reads a head 8 lanes at a time; the loop calls silu_mul
-    return _NativeLayers(layers, decoder.heads, decoder.scaling, norms[0].keywords["eps"])
+        return None  # the attention reads a head 8 lanes at a time; the sequence calls silu_mul
+    return _NativeLayers(layers, decoder.heads, decoder.head_dim, decoder.scaling, norms[0].keywords["eps"])
 
 
 def _linears(layer: _Layer) -> tuple[PackedLinear, ...]:
-    return layer.qkv, layer.out, layer.gate_up, layer.down
+    return tuple(getattr(layer, name) for name in LAYER_LINEARS)
 
 
-def _flat_weights(layer: _Layer) -> list[torch.Tensor | None]:
-    """One layer's tensors in cpu_step.cpp's WeightSlot order."""
-    qkv, out, gate_up, down = _linears(layer)
-    return [
-        layer.input_norm.keywords["weight"], qkv.weight, qkv.bias, out.weight, out.bias,
-        layer.post_norm.keywords["weight"], gate_up.weight, gate_up.bias, down.weight, down.bias,
-    ]  # fmt: skip
+def _packed_natively(linear: PackedLinear) -> bool:
+    """Whether the native step can run this linear: packed, at its natural input width, its bias readable as is."""
+    if linear.backend != "packed" or linear.weight.shape[1] * linear.weight.shape[3] != linear.in_features:
+        return False
+    bias = linear.bias
+    return bias is None or (bias.is_contiguous() and bias.dtype in (linear.dtype, torch.float32))
+
+
+def _named_tensors(layer: _Layer) -> dict[str, torch.Tensor | None]:
+    """One layer's tensors by the names of cpu_kernels.LAYER_TENSORS."""
+    tensors = {"input_norm": layer.input_norm.keywords["weight"], "post_norm": layer.post_norm.keywords["weight"]}
+    for name in LAYER_LINEARS:
+        linear = getattr(layer, name)
+        tensors[name], tensors[f"{name}_bias"] = linear.weight, linear.bias
+    assert set(tensors) == set(LAYER_TENSORS), tensors.keys()
+    return tensors
 
 
 def _is_kernel_norm(norm: Callable) -> bool:
@@ -378,6 +397,6 @@ def _is_kernel_norm(norm: Callable) -> bool:
 
 
 def _is_silu(act: Callable, dtype: torch.dtype) -> bool:
-    """Whether the MLP's activation computes ``F.silu``, which the native loop calls (checked on a probe)."""
+    """Whether the MLP's activation computes ``F.silu``, which the native step calls (checked on a probe)."""
     probe = torch.randn(64, generator=torch.Generator().manual_seed(0)).to(dtype)
     return torch.equal(act(probe), F.silu(probe))

@@ -32,7 +32,7 @@ from vlmspec.drafters.dspark.cache import DraftContextCache
 from vlmspec.drafters.dspark.model import DSparkDrafter
 from vlmspec.kernels.cpu_kernels import MAX_ROWS, pack_weight, packing_applies
 
-#: The order of the ints of the drafter's shape the native round takes (cpu_draft.cpp: struct Shape).
+#: The order of the ints of the drafter's shape the native round takes (cpu_draft.h: struct Shape).
 SHAPE_FIELDS = (
     "layers",
     "heads",

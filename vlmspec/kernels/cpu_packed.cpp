@@ -1,0 +1,273 @@
+// y = x @ W.T + b over a copy of W in a packed layout, on CPUs with AVX-512 (AVX512-BF16 for
+// bfloat16): the linears of the native step and the drafting round, and PackedLinear's "packed"
+// backend (see vlmspec/kernels/cpu_kernels.py). cpu_linear.cpp holds the linears over W as stored.
+
+#include "cpu_common.h"
+
+#include <memory>
+#include <mutex>
+#if __has_include(<sys/mman.h>)
+#include <sys/mman.h>
+#endif
+
+namespace vlmspec_cpu {
+namespace {
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
+
+namespace avx512 {
+// ---- packed weights: 16 outputs per vector, no reductions ------------------------------
+// In the [N, K] layout each output is a dot product that ends in a horizontal sum, and the
+// 8-row tile above reads the big LM head at half the memory bandwidth. Packed, a block of 16
+// outputs stores its weights k-major: one 64-byte vector per k (float32) or per pair of k
+// (bfloat16, the pair vdpbf16ps multiplies), so a step loads one weight vector, broadcasts
+// one activation (pair) per row of x, and adds into 16 outputs at once.
+//   float32:  packed[b][k][i]         = W[16 b + i, k]            [N/16, K, 16]
+//   bfloat16: packed[b][k2][i][j]     = W[16 b + i, 2 k2 + j]     [N/16, K/2, 16, 2]
+// (N padded to 16 and K to 2 with zeros.)
+
+constexpr int64_t kBlock = 16;
+
+template <typename T>
+struct Packed;
+template <>
+struct Packed<float> {
+  static constexpr int64_t kPerStep = 1;  // k values a step consumes
+  static __m512 weights(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 activation(const float* x, int64_t step) { return _mm512_set1_ps(x[step]); }
+  static __m512 fma(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
+};
+template <>
+struct Packed<uint16_t> {
+  static constexpr int64_t kPerStep = 2;
+  static __m512 weights(const uint16_t* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
+  static __m512 activation(const uint16_t* x, int64_t step) {
+    int32_t pair;
+    std::memcpy(&pair, x + 2 * step, sizeof pair);
+    return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
+  }
+  static __m512 fma(__m512 acc, __m512 w, __m512 x) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(w), (__m512bh)_mm512_castps_si512(x));
+  }
+};
+
+// The epilogue of a tile: 16 float32 sums plus the bias, stored in the activations' dtype
+// (bfloat16 rounded to nearest even, NaN to 0x7FC0, as c10::BFloat16 rounds): what the float32
+// sums, ATen's bias add and its conversion gave, without a float32 output tensor and a second pass.
+struct Epilogue {
+  const float* bias_f32 = nullptr;     // one of these two, or neither
+  const uint16_t* bias_bf16 = nullptr;
+};
+inline __m512 add_bias(const Epilogue& e, __m512 sums, int64_t n, __mmask16 mask) {
+  if (e.bias_f32 != nullptr) return _mm512_add_ps(sums, _mm512_maskz_loadu_ps(mask, e.bias_f32 + n));
+  if (e.bias_bf16 != nullptr) {
+    const __m256i half = _mm256_maskz_loadu_epi16(mask, e.bias_bf16 + n);
+    return _mm512_add_ps(sums, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
+  }
+  return sums;
+}
+inline void store_out(float* out, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, v); }
+inline void store_out(uint16_t* out, __m512 v, __mmask16 mask) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(rounded));
+}
+
+// NB blocks of 16 outputs against MR rows of x (rows ldx apart); steps = K / kPerStep. Every
+// output is the same sequence of fused multiply-adds over k whatever NB and MR are, so a row's
+// result does not depend on the other rows of the call or on how the blocks were split.
+template <int NB, int MR, typename T>
+inline void packed_tile(const T* x, int64_t ldx, const T* w, int64_t steps, T* out, int64_t ldo, int64_t n0,
+                        int64_t left, const Epilogue& epilogue) {
+  using P = Packed<T>;
+  constexpr int64_t V = kBlock * P::kPerStep;  // elements of one weight vector
+  __m512 acc[NB][MR];
+  for (int b = 0; b < NB; ++b)
+    for (int m = 0; m < MR; ++m) acc[b][m] = _mm512_setzero_ps();
+  for (int64_t step = 0; step < steps; ++step) {
+    __m512 wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = P::weights(w + (b * steps + step) * V);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = P::activation(x + m * ldx, step);
+      for (int b = 0; b < NB; ++b) acc[b][m] = P::fma(acc[b][m], wv[b], xv);
+    }
+  }
+  for (int b = 0; b < NB; ++b) {  // left: outputs of these blocks that exist (the last block may be padding)
+    const int64_t valid = std::min<int64_t>(kBlock, left - b * kBlock);
+    if (valid <= 0) break;
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+    for (int m = 0; m < MR; ++m)
+      store_out(out + m * ldo + b * kBlock, add_bias(epilogue, acc[b][m], n0 + b * kBlock, mask), mask);
+  }
+}
+
+template <int NB, typename T>
+inline void packed_rows(const T* x, int64_t M, int64_t ldx, const T* w, int64_t steps, T* out, int64_t N, int64_t n0,
+                        const Epilogue& epilogue) {
+  const int64_t left = N - n0;
+  for (int64_t m = 0; m < M; m += 8) {
+    const T* xm = x + m * ldx;
+    T* om = out + m * N + n0;
+    switch (std::min<int64_t>(8, M - m)) {
+      case 8: packed_tile<NB, 8>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
+      case 7: packed_tile<NB, 7>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
+      case 6: packed_tile<NB, 6>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
+      case 5: packed_tile<NB, 5>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
+      case 4: packed_tile<NB, 4>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
+      case 3: packed_tile<NB, 3>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
+      case 2: packed_tile<NB, 2>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
+      default: packed_tile<NB, 1>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
+    }
+  }
+}
+
+// x [M, K] (K padded to kPerStep) times packed weights of N outputs, plus the bias: out [M, N] in T.
+// Each thread takes an even share of the blocks of 16 outputs (split_tasks: one chunk per
+// thread), in groups of four blocks for one row (four independent sums hide
+// the FMA latency) or three for more (24 accumulators for 8 rows), then the leftovers.
+template <typename T>
+void packed_linear(const T* x, int64_t M, int64_t K, const T* w, int64_t N, T* out, const Epilogue& epilogue) {
+  const int64_t steps = K / Packed<T>::kPerStep, blocks = (N + kBlock - 1) / kBlock;
+  const int64_t block_elems = steps * kBlock * Packed<T>::kPerStep;
+  const int64_t group = M == 1 ? 4 : 3;
+  split_dynamic(0, blocks, 8, group, [&](int64_t begin, int64_t end) {
+    for (int64_t first = begin; first < end;) {
+      const int64_t count = std::min(group, end - first), n0 = first * kBlock;
+      const T* wg = w + first * block_elems;
+      if (count == 4) packed_rows<4>(x, M, K, wg, steps, out, N, n0, epilogue);
+      else if (count == 3) packed_rows<3>(x, M, K, wg, steps, out, N, n0, epilogue);
+      else if (count == 2) packed_rows<2>(x, M, K, wg, steps, out, N, n0, epilogue);
+      else packed_rows<1>(x, M, K, wg, steps, out, N, n0, epilogue);
+      first += count;
+    }
+  });
+}
+}  // namespace avx512
+
+#pragma GCC pop_options
+
+}  // namespace
+
+namespace {
+
+// ---- packed weights on 2 MB pages ---------------------------------------------------------
+// A pass over the packed weights streams a few hundred MB through 4 KB pages, where the TLB and
+// the prefetchers restart every page: on the 2-core AVX-512 EPYC a one-row pass over the
+// reference target read at ~30 GB/s, and at ~38 from the same weights on transparent huge pages
+// (8 rows: 23 against 29). So the packed copies are carved out of 2 MB-aligned chunks advised
+// MADV_HUGEPAGE (the kernel's THP setting is usually "madvise"); a chunk is freed with the last
+// weight in it. Elsewhere (no Linux madvise) the advice is simply absent.
+constexpr size_t kHugePage = size_t{2} << 20;
+constexpr size_t kChunk = size_t{32} << 20;
+
+struct HugeChunk {
+  char* base;
+  size_t size;
+  explicit HugeChunk(size_t bytes) : size((bytes + kHugePage - 1) / kHugePage * kHugePage) {
+    base = static_cast<char*>(std::aligned_alloc(kHugePage, size));
+    TORCH_CHECK(base != nullptr, "pack_weight: out of memory for ", size, " bytes");
+#ifdef MADV_HUGEPAGE
+    madvise(base, size, MADV_HUGEPAGE);
+#endif
+  }
+  ~HugeChunk() { std::free(base); }
+  HugeChunk(const HugeChunk&) = delete;
+  HugeChunk& operator=(const HugeChunk&) = delete;
+};
+
+// An uninitialised tensor on huge pages; weights share 32 MB chunks, a larger one has its own.
+at::Tensor empty_on_huge_pages(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  static std::mutex mutex;
+  static std::weak_ptr<HugeChunk> current;  // the chunk being filled, while any weight in it lives
+  static size_t used = 0;
+  int64_t numel = 1;
+  for (int64_t size : sizes) numel *= size;
+  const size_t bytes = std::max<size_t>(static_cast<size_t>(numel) * options.dtype().itemsize(), 1);
+  const size_t rounded = (bytes + 63) / 64 * 64;
+  std::shared_ptr<HugeChunk> chunk;
+  char* data;
+  if (rounded > kChunk / 2) {
+    chunk = std::make_shared<HugeChunk>(rounded);
+    data = chunk->base;
+  } else {
+    std::lock_guard<std::mutex> lock(mutex);
+    chunk = current.lock();
+    if (!chunk || used + rounded > chunk->size) {
+      chunk = std::make_shared<HugeChunk>(kChunk);
+      current = chunk;
+      used = 0;
+    }
+    data = chunk->base + used;
+    used += rounded;
+  }
+  return at::from_blob(data, sizes, [chunk](void*) mutable { chunk.reset(); }, options);
+}
+
+}  // namespace
+
+at::Tensor pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "pack_weight: weight [N, K] expected, got ", weight.sizes());
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || weight.scalar_type() == at::kFloat, "pack_weight: float32 or bfloat16, got ",
+              weight.scalar_type());
+  const int64_t N = weight.size(0), K = weight.size(1), per_step = bf16 ? 2 : 1;
+  const int64_t blocks = (N + avx512::kBlock - 1) / avx512::kBlock, steps = (K + per_step - 1) / per_step;
+  // [blocks, 16, steps, per_step] padded, then k-steps outermost within a block.
+  at::Tensor padded = at::zeros({blocks * avx512::kBlock, steps * per_step}, weight.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+  at::Tensor packed = empty_on_huge_pages({blocks, steps, avx512::kBlock, per_step}, weight.options());
+  packed.copy_(padded.view({blocks, avx512::kBlock, steps, per_step}).permute({0, 2, 1, 3}));
+  return packed;
+}
+
+void packed_linear_into(const at::Tensor& packed, int64_t out_features, const at::Tensor* bias, const void* x,
+                        int64_t M, void* out) {
+  const int64_t K = packed.size(1) * packed.size(3);
+  avx512::Epilogue epilogue;
+  if (bias != nullptr) {
+    if (bias->scalar_type() == at::kFloat) epilogue.bias_f32 = bias->data_ptr<float>();
+    else epilogue.bias_bf16 = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
+  }
+  if (packed.scalar_type() == at::kBFloat16) {
+    avx512::packed_linear(static_cast<const uint16_t*>(x), M, K,
+                          reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), out_features,
+                          static_cast<uint16_t*>(out), epilogue);
+  } else {
+    avx512::packed_linear(static_cast<const float*>(x), M, K, packed.data_ptr<float>(), out_features,
+                          static_cast<float*>(out), epilogue);
+  }
+}
+
+bool packed_linear_bias_ready(const at::Tensor& packed, const at::Tensor& bias) {
+  return bias.is_contiguous() && (bias.scalar_type() == packed.scalar_type() || bias.scalar_type() == at::kFloat);
+}
+
+at::Tensor packed_linear_op(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                            const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == avx512::kBlock && x.dim() == 2,
+              "packed_linear: x [M, K] and a weight from pack_weight expected");
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "packed_linear: x must have the packed weight's dtype, got ",
+              x.scalar_type(), " and ", packed.scalar_type());
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 ? cpu_has_avx512_bf16() : cpu_has_avx512(), "packed_linear: needs ",
+              bf16 ? "AVX512-BF16" : "AVX-512", " (check kernel_isa() before packing)");
+  const int64_t M = x.size(0), per_step = packed.size(3), K = packed.size(1) * per_step;
+  TORCH_CHECK(x.size(1) <= K && x.size(1) > K - per_step && out_features <= packed.size(0) * avx512::kBlock,
+              "packed_linear: x has ", x.size(1), " inputs, the packed weight ", K);
+  at::Tensor xc = x.contiguous();
+  if (x.size(1) != K) xc = at::constant_pad_nd(xc, {0, K - x.size(1)});  // an odd K: pad the last pair
+  at::Tensor out = at::empty({M, out_features}, x.options());
+  at::Tensor b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == out_features, "packed_linear: bias of ", out_features, " values expected");
+    b = packed_linear_bias_ready(packed, *bias) ? *bias : bias->to(at::kFloat).contiguous();
+  }
+  packed_linear_into(packed, out_features, bias.has_value() ? &b : nullptr, xc.data_ptr(), M, out.data_ptr());
+  return out;
+}
+
+}  // namespace vlmspec_cpu
