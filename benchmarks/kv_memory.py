@@ -184,16 +184,24 @@ def run_server_cell(args: argparse.Namespace, concurrency: int, prompt_tokens: i
         replies, alone, wall = asyncio.run(burst_then_alone(openai_client(server.url), texts, meter, args))
     finally:
         server.stop()
-    ends = [r["end"] for r in replies]
-    checked = [(r, a) for r, a in zip(replies, alone) if r["end"] == "done" and a["end"] == "done"]
     return {
         "concurrency": concurrency,
         "prompt_tokens": prompt_tokens,
         "budget": budget,
-        "ends": {end: ends.count(end) for end in sorted(set(ends))},
-        "retry_after_on_every_429": all(r.get("retry_after") for r in replies if r["end"] == "429"),
+        **summarize_ends(replies, alone),
         "peak_rss_rise_mib": (meter.peak - meter.before) / 2**20,
         "wall_s": wall,
+    }
+
+
+def summarize_ends(replies: Sequence[dict], alone: Sequence[dict]) -> dict:
+    """How the burst's requests ended (counts), whether every 429 said when to retry, and whether the answers
+    of the first ones equal the same requests' answers alone (``alone[i]`` is request i's)."""
+    ends = [r["end"] for r in replies]
+    checked = [(r, a) for r, a in zip(replies, alone) if r["end"] == "done" and a["end"] == "done"]
+    return {
+        "ends": {end: ends.count(end) for end in sorted(set(ends))},
+        "retry_after_on_every_429": all(r.get("retry_after") for r in replies if r["end"] == "429"),
         "same_as_alone": all(r["text"] == a["text"] for r, a in checked),
         "compared_with_alone": len(checked),
     }
