@@ -54,9 +54,10 @@ def test_a_weight_changed_since_packing_is_packed_again():
 def test_rows_past_the_kernels_limit_go_to_atens_gemm_with_the_same_values(dtype):
     from vlmspec.kernels.linear import PackedLinear
 
-    limit = cpu_kernels.kernel_max_rows(dtype)
+    limit = cpu_kernels.linear_max_rows(dtype)
     amx = dtype == torch.bfloat16 and cpu_kernels.cpu_has_amx_bf16()
-    assert limit == (cpu_kernels.AMX_BF16_MAX_ROWS if amx else cpu_kernels.MAX_ROWS)
+    assert limit == (cpu_kernels.AMX_BF16_LINEAR_MAX_ROWS if amx else cpu_kernels.MAX_ROWS)
+    assert cpu_kernels.kernel_max_rows(dtype) == (cpu_kernels.AMX_BF16_MAX_ROWS if amx else cpu_kernels.MAX_ROWS)
     torch.manual_seed(0)
     weight, bias = torch.randn(40, 48).to(dtype), torch.randn(40).to(dtype)
     linear = PackedLinear([weight], [bias])

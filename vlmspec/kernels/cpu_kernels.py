@@ -110,6 +110,11 @@ MAX_ROWS = 64
 # 32.5 / 40.1 / 45.4 ms with ATen's GEMM in the Python loop. float32 has no tile path: the kernel
 # stays ahead to 64 rows there too.
 AMX_BF16_MAX_ROWS = 16
+# A linear called on its own (the LM head after the layers, the Python reference's linears) has no
+# native layer loop to keep, so it goes to ATen's GEMM sooner: quiet machine, two threads, the LM head
+# [49152, 576] took 2.42 / 3.71 / 6.31 ms on the kernel at 6 / 8 / 16 rows against ATen's 2.42 / 2.41 /
+# 2.64 (at 1 row the kernel: 1.17 against 2.32); a [3072, 576] weight 0.155 against 0.145 at 8 rows.
+AMX_BF16_LINEAR_MAX_ROWS = 7
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 # No contraction of a * b + c into one FMA outside the explicit intrinsics: rms_norm and
 # rope_write must round as transformers' separate tensor ops do.
@@ -117,8 +122,13 @@ CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off")
 
 
 def kernel_max_rows(dtype: torch.dtype) -> int:
-    """The most rows the kernel's linears (and the native step) take in ``dtype`` here; past them ATen's GEMM."""
+    """The most rows the native step takes in ``dtype`` here; past them the layers run ATen's GEMM."""
     return AMX_BF16_MAX_ROWS if dtype == torch.bfloat16 and cpu_has_amx_bf16() else MAX_ROWS
+
+
+def linear_max_rows(dtype: torch.dtype) -> int:
+    """The most rows a linear called on its own runs on the kernel in ``dtype`` here; past them ATen's GEMM."""
+    return AMX_BF16_LINEAR_MAX_ROWS if dtype == torch.bfloat16 and cpu_has_amx_bf16() else MAX_ROWS
 
 
 @functools.cache

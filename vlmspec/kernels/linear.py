@@ -15,7 +15,7 @@ from torch import nn
 
 from vlmspec.kernels.cpu_kernels import (
     kernel_applies,
-    kernel_max_rows,
+    linear_max_rows,
     pack_weight,
     packed_linear,
     packing_applies,
@@ -48,9 +48,10 @@ class PackedLinear:
     * ``"onednn"``: the weight reordered once for oneDNN (a CPU without the kernel);
     * ``"aten"``: plain ``F.linear`` (GPUs, bfloat16 on a CPU without native bfloat16).
 
-    More rows than ``max_rows`` (a wide batch; :func:`~vlmspec.kernels.cpu_kernels.kernel_max_rows`:
-    64, or 16 in bfloat16 on a CPU with AMX) go through ATen's GEMM, which is the better tool
-    there, over the model's own weights.
+    More rows than ``max_rows`` (a wide batch; :func:`~vlmspec.kernels.cpu_kernels.linear_max_rows`:
+    64, or 7 in bfloat16 on a CPU with AMX) go through ATen's GEMM, which is the better tool
+    there, over the model's own weights. The native step runs its packed weights itself, up to
+    :func:`~vlmspec.kernels.cpu_kernels.kernel_max_rows`.
     """
 
     def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> None:
@@ -61,7 +62,7 @@ class PackedLinear:
             self.bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in self.parts])  # [N]
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        self.max_rows = kernel_max_rows(weight.dtype)
+        self.max_rows = linear_max_rows(weight.dtype)
         if packing_applies(weight):
             self.backend, self.weight = "packed", pack_weight(weight)
         elif kernel_applies(weight):
