@@ -30,7 +30,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable
@@ -38,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.peer_process import PeakRSS
 from vlmspec.server.limits import FLAGS, RequestLimits
 from vlmspec.targets.inputs import ImageLimits
 
@@ -464,38 +464,6 @@ def _wait_idle(client: Client, timeout: float = 120.0) -> bool:
 
 
 # ------------------------------------------------------------------------------------ the run
-class PeakRSS:
-    """The peak resident memory of a process (and its children) while the block runs, sampled every 20 ms."""
-
-    def __init__(self, pid: int) -> None:
-        import psutil
-
-        self.process = psutil.Process(pid)
-        self.before = self.peak = self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _rss(self) -> int:
-        return self.process.memory_info().rss
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.02):
-            self.peak = max(self.peak, self._rss())
-
-    def __enter__(self) -> PeakRSS:
-        self.before = self.peak = self._rss()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def growth_mib(self) -> float:
-        return (self.peak - self.before) / 2**20
-
-
 def run_cases(client: Client, scale: Scale, limits: Limits, pid: int | None = None) -> list[dict]:
     """Every case, then a normal request; one row each (the peak RSS growth when ``pid`` is given)."""
     reference = client.chat(NORMAL)

@@ -37,7 +37,6 @@ import json
 import resource
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 
@@ -52,6 +51,7 @@ from benchmarks.common import (
     write_json,
     write_text,
 )
+from benchmarks.peer_process import PeakRSS
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -123,31 +123,6 @@ def run_cell(args: argparse.Namespace) -> dict:
     }
 
 
-class RssMeter:
-    """The peak resident memory of a process, sampled every ``period`` seconds on a thread of this one."""
-
-    def __init__(self, pid: int, period: float = 0.05) -> None:
-        import psutil
-
-        self.process, self.period = psutil.Process(pid), period
-        self.before = self.peak = self.process.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.period):
-            self.peak = max(self.peak, self.process.memory_info().rss)
-
-    def __enter__(self) -> RssMeter:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.process.memory_info().rss)
-
-
 async def send(client, text: str, max_tokens: int, timeout: float) -> dict:
     """One greedy chat completion: how it ended (done, 429, 400, error, hung), its text, a 429's Retry-After."""
     import openai
@@ -180,7 +155,7 @@ def run_server_cell(args: argparse.Namespace, concurrency: int, prompt_tokens: i
     )  # fmt: skip
     server.start(timeout=args.startup_timeout)
     try:
-        meter = RssMeter(server.process.pid)
+        meter = PeakRSS(server.process.pid)
         replies, alone, wall = asyncio.run(burst_then_alone(openai_client(server.url), texts, meter, args))
     finally:
         server.stop()
@@ -189,7 +164,7 @@ def run_server_cell(args: argparse.Namespace, concurrency: int, prompt_tokens: i
         "prompt_tokens": prompt_tokens,
         "budget": budget,
         **summarize_ends(replies, alone),
-        "peak_rss_rise_mib": (meter.peak - meter.before) / 2**20,
+        "peak_rss_rise_mib": meter.growth_mib,
         "wall_s": wall,
     }
 
@@ -208,7 +183,7 @@ def summarize_ends(replies: Sequence[dict], alone: Sequence[dict]) -> dict:
 
 
 async def burst_then_alone(
-    client, texts: Sequence[str], meter: RssMeter, args: argparse.Namespace
+    client, texts: Sequence[str], meter: PeakRSS, args: argparse.Namespace
 ) -> tuple[list[dict], list[dict], float]:
     """A warm-up request, then every text at once (metered), then the first ``--check-alone`` each alone."""
     await send(client, "Hello.", 4, args.request_timeout)  # the first request's one-time costs, before the meter

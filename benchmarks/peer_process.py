@@ -26,6 +26,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -257,3 +258,35 @@ def openai_client(url: str):
     import openai
 
     return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=3600)
+
+
+class PeakRSS:
+    """The peak resident memory of a process (and its children) while the block runs, sampled every 20 ms."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self.process = psutil.Process(pid)
+        self.before = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _rss(self) -> int:
+        return self.process.memory_info().rss
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, self._rss())
+
+    def __enter__(self) -> PeakRSS:
+        self.before = self.peak = self._rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def growth_mib(self) -> float:
+        return (self.peak - self.before) / 2**20

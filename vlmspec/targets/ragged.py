@@ -718,8 +718,7 @@ def _attend_each_row(
         visible = layout.slots[piece] + 1  # [n] each query sees its row's slots before its own, and its own
         seen = int(visible[-1])  # a piece's slots increase: the last query sees the most
         blocks = layout.tables[row, : -(-seen // size)].to(device)  # [m] the row's blocks holding them
-        row_keys = key[blocks].transpose(0, 1).flatten(1, 2)[:, :seen]  # [Hkv, S, hd]
-        row_values = value[blocks].transpose(0, 1).flatten(1, 2)[:, :seen]
+        row_keys, row_values = _slots(key, blocks, seen), _slots(value, blocks, seen)  # [Hkv, S, hd] each
         mask = (torch.arange(seen) < visible[:, None]).to(device)  # [n, S]
         out[piece] = F.scaled_dot_product_attention(
             query[piece].transpose(0, 1)[None],  # [1, H, n, hd]
@@ -737,8 +736,13 @@ def _row_slots(pool: torch.Tensor, layout: _Layout) -> torch.Tensor:  # [N, Hkv,
     """Each row's first S = layout.keys slots, read through its block table into one padded tensor."""
     size = pool.shape[2]
     blocks = layout.tables[: layout.num_rows, : -(-layout.keys // size)].to(pool.device)  # [R, m]
-    gathered = pool[blocks]  # [R, m, Hkv, bs, hd]
-    return gathered.transpose(1, 2).flatten(2, 3)[:, :, : layout.keys]
+    return _slots(pool, blocks, layout.keys)
+
+
+def _slots(pool: torch.Tensor, blocks: torch.Tensor, count: int) -> torch.Tensor:  # [..., m] -> [..., Hkv, S, hd]
+    """The first ``count`` slots held by ``blocks`` (a row's blocks in order; rows of them), gathered from ``pool``."""
+    gathered = pool[blocks]  # [..., m, Hkv, bs, hd]
+    return gathered.transpose(-4, -3).flatten(-3, -2)[..., :count, :]
 
 
 @contextmanager
