@@ -39,15 +39,13 @@ LLAMA = "llama.cpp multimodal (qwen2vl GGUF + mmproj)"
 def run_images(args) -> Path:
     from vlmspec import SpecEngine
     from vlmspec.loading import load_proposer, load_target
-    from vlmspec.reference import reference_drafter_dir, reference_sps_table
+    from vlmspec.reference import machine_sps_table, reference_drafter_dir
     from vlmspec.scheduling.factory import build_scheduler
 
     out = prepare_out_dir(args.out)
     tasks = skimage_open_tasks(args.images, max_side=args.image_max_side)
     target = load_target("reference", dtype=args.dtype)
-    scheduler = build_scheduler(
-        "sps", sps=reference_sps_table(args.dtype), calibration=reference_drafter_dir("reference")
-    )
+    scheduler = build_scheduler("sps", sps=machine_sps_table(target), calibration=reference_drafter_dir("reference"))
     engine = SpecEngine(target, load_proposer("reference", target), scheduler)
     inputs = [target.build_inputs(list(t.images), t.prompt) for t in tasks]
 

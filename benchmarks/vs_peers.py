@@ -237,12 +237,12 @@ def drafter_engines(target, drafter_dir: Path, dtype: str):
     from vlmspec import SpecEngine
     from vlmspec.drafters.dspark import DSparkDrafter, DSparkProposer
     from vlmspec.loading import reference_alone, reference_hybrid
-    from vlmspec.reference import reference_drafter_dir, reference_sps_table
+    from vlmspec.reference import machine_sps_table, reference_drafter_dir
     from vlmspec.scheduling.factory import build_scheduler
 
     if not (Path(drafter_dir) / "config.json").is_file():
         raise FileNotFoundError(f"{drafter_dir} holds no DSpark drafter (config.json); pass a saved drafter directory")
-    scheduler = build_scheduler("sps", sps=reference_sps_table(dtype), calibration=drafter_dir)
+    scheduler = build_scheduler("sps", sps=machine_sps_table(target), calibration=drafter_dir)
 
     def proposer() -> DSparkProposer:  # one per engine: a proposer keeps its requests' drafting state
         return DSparkProposer(DSparkDrafter.from_pretrained(drafter_dir, target=target))

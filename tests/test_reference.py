@@ -245,3 +245,29 @@ def test_reference_drafter_names_resolve_to_committed_files():
         assert (path / "model.safetensors").stat().st_size < 40 * 2**20  # ships in the package: keep it small
     with pytest.raises(ValueError, match="unknown reference drafter"):
         reference.reference_drafter_dir("nope")
+
+
+def _shipped_table(tmp_path: Path, cpu: str) -> Path:
+    from vlmspec.scheduling.tables import SPSMeta, SPSTable
+
+    meta = SPSMeta(model="tiny", device="cpu", dtype="float32", context_length=16, hardware="1 CPU threads", cpu=cpu)
+    return SPSTable((1, 2, 4), (100.0, 90.0, 80.0), meta).save(tmp_path / f"sps-{len(cpu)}.json")
+
+
+def test_machine_sps_table_keeps_a_curve_measured_on_this_cpu(make_target, tmp_path):
+    from vlmspec.provenance import cpu_signature
+
+    table = reference.machine_sps_table(make_target("qwen2_vl"), _shipped_table(tmp_path, cpu_signature()))
+    assert table.tokens == (1, 2, 4) and table.steps_per_s == (100.0, 90.0, 80.0)
+
+
+def test_machine_sps_table_measures_a_curve_from_another_cpu_once(make_target, tmp_path):
+    from vlmspec.provenance import cpu_signature
+
+    target = make_target("qwen2_vl")
+    shipped = _shipped_table(tmp_path, "")  # a table that does not say where it was measured
+    table = reference.machine_sps_table(target, shipped)
+    assert table.tokens == reference.MACHINE_CURVE_TOKENS
+    assert table.meta.cpu == cpu_signature() and table.meta.context_length == 16
+    assert all(later <= earlier for earlier, later in zip(table.steps_per_s, table.steps_per_s[1:]))
+    assert reference.machine_sps_table(target, shipped) is table  # measured once per target and process

@@ -198,7 +198,8 @@ def reference_alone(model: Proposer, target: QwenVLTarget, *, drafter: str = REF
 def reference_costs(model: Proposer, target: QwenVLTarget, drafter: str = REFERENCE_DSPARK):
     """The drafting policy's costs for ``model`` on the reference target, in the target's dtype: measured.
 
-    ``T_verify(n) / T(1)`` is the reference SPS curve (:func:`vlmspec.reference.reference_sps_table`).
+    ``T_verify(n) / T(1)`` is the reference SPS curve on this machine (:func:`vlmspec.reference.machine_sps_table`:
+    the shipped one where it was measured on this CPU, else measured now).
     ``T_draft / T(1)`` is the round the table carries (``vlmspec profile --drafter``) when it was
     timed for ``drafter``; otherwise (a table profiled without it, or another drafter) it is
     timed now, a second or so beside the target's step
@@ -206,13 +207,11 @@ def reference_costs(model: Proposer, target: QwenVLTarget, drafter: str = REFERE
     lookups run every round before the choice (a sunk cost), so choosing one adds nothing.
     """
     from vlmspec.drafters.hybrid import CORPUS, NGRAM
-    from vlmspec.reference import reference_sps_table
+    from vlmspec.reference import machine_sps_table
     from vlmspec.scheduling.policy import DraftCosts
-    from vlmspec.scheduling.tables import load_sps_table
     from vlmspec.targets.profile import profile_draft_round
 
-    dtype = "bfloat16" if target.dtype == torch.bfloat16 else "float32"
-    table = load_sps_table(reference_sps_table(dtype))
+    table = machine_sps_table(target)
     timing = table.for_requests(1).drafting
     if timing is None or timing.drafter != drafter:
         timing = profile_draft_round(target, model, drafter=drafter, warmup=2, repeats=9)

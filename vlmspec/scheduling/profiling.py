@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vlmspec.provenance import cpu_signature
 from vlmspec.scheduling.tables import DraftTiming, SPSMeta, SPSTable, is_int, monotone_fit
 
 PRESETS = ("appendix_a", "gpu_like", "cpu")
@@ -131,6 +132,7 @@ def profile_forward(
         dtype=dtype,
         context_length=context_length,
         hardware=hardware,
+        cpu=cpu_signature() if torch.device(device).type == "cpu" else "",
         model_config=dict(model_config or {}),
     )
     return measure_sps(

@@ -27,7 +27,7 @@ JSON layout of a saved table (``format`` and ``version`` are checked on load)::
      "tokens": [1, 2, 3, ...],              # strictly increasing token counts B
      "steps_per_s": [48.1, 47.9, ...],      # forward passes per second at each B
      "meta": {"model": ..., "device": ..., "dtype": ..., "context_length": ...,
-              "hardware": ..., "model_config": {...}, "torch_version": ...,
+              "hardware": ..., "cpu": ..., "model_config": {...}, "torch_version": ...,
               "created": ..., "source": "measured", "warmup": 3, "repeats": 10, "notes": ""},
      "drafting": {"drafter": "reference-dspark",  # optional: see DraftTiming
                   "round_s": {"model": 0.0011}, "step_s": 0.0116, "repeats": 15}}
@@ -66,6 +66,7 @@ class SPSMeta:
     dtype: str  # e.g. "bfloat16"
     context_length: int | None  # tokens already in the KV cache while timing; None = synthetic
     hardware: str = ""  # e.g. "NVIDIA H200" or "2 CPU threads"
+    cpu: str = ""  # the CPU a cpu-device table was measured on (vlmspec.provenance.cpu_signature); "" = unknown
     model_config: dict[str, Any] = field(default_factory=dict)  # small JSON summary (hidden, layers, vocab)
     torch_version: str = torch.__version__
     created: str = field(

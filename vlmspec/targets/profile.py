@@ -30,8 +30,10 @@ def profile_target(
     context_length: int = 256,
     warmup: int = 3,
     repeats: int = 10,
+    token_counts: Sequence[int] | None = None,
 ) -> SPSTable:
-    """Time one verify forward of 1..``max_tokens`` tokens on top of ``context_length`` cached tokens.
+    """Time one verify forward of 1..``max_tokens`` tokens (or of ``token_counts``, each at most
+    ``max_tokens``) on top of ``context_length`` cached tokens.
 
     The forward is the runner's (a one-row :class:`~vlmspec.targets.ragged.RaggedBatch`,
     in the target's decode mode), the one SpecEngine and BatchEngine run. It is rolled
@@ -51,7 +53,13 @@ def profile_target(
         batch.advance([0])
 
     return profile_forward(
-        forward, max_tokens, **_description(target), context_length=context_length, warmup=warmup, repeats=repeats
+        forward,
+        max_tokens,
+        **_description(target),
+        context_length=context_length,
+        warmup=warmup,
+        repeats=repeats,
+        token_counts=token_counts,
     )
 
 
