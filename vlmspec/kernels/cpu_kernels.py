@@ -156,6 +156,11 @@ def kernel_isa() -> str:
     return torch.ops.vlmspec.kernel_isa()
 
 
+def kernel_uses_amx() -> bool:
+    """Whether the bfloat16 packed linears run on AMX-BF16 tiles here (not under ``VLMSPEC_CPU_ISA=avx512_bf16``)."""
+    return torch.ops.vlmspec.kernel_uses_amx()
+
+
 def packing_applies(weight: torch.Tensor) -> bool:
     """Whether :func:`pack_weight` and :func:`packed_linear` serve this weight here (AVX-512; AVX512-BF16 for bf16)."""
     if not kernel_applies(weight):
