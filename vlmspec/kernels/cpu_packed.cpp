@@ -181,7 +181,9 @@ namespace amx {
 // multiple of 16 ends at the last row and overlaps the one before it (one tile configuration a
 // call; a row's sums do not depend on the others of its chunk, so the rows computed twice come out
 // the same and are stored once). The weights of a group of blocks are read from memory by the
-// first chunk and from the L2 cache by the next. A K that is not a multiple of 32 ends in a partial
+// first chunk and from the L2 cache by the next. (Two chunks against each weight tile, so that 32
+// rows read the weights once, measured no faster, one thread, weights from memory: [3072, 576]
+// 0.319 against 0.315 ms at 32 rows, 0.407 against 0.410 at 64; the LM head 4.86 against 4.93 at 32.) A K that is not a multiple of 32 ends in a partial
 // chunk, copied with its weights into zeroed buffers; a padded block's outputs are not stored.
 
 constexpr int64_t kRows = 16;      // rows of x in a tile
@@ -335,7 +337,7 @@ bool request_amx_tiles() { return false; }
 
 }  // namespace
 
-bool cpu_has_amx_bf16() {
+bool kernel_uses_amx() {
   static const bool granted = request_amx_tiles();  // asked once per process
   return granted && cpu_has_avx512_bf16() && !isa_held_to("avx512_bf16");
 }
@@ -420,7 +422,7 @@ void packed_linear_into(const at::Tensor& packed, int64_t out_features, const at
     if (bias->scalar_type() == at::kFloat) epilogue.bias_f32 = bias->data_ptr<float>();
     else epilogue.bias_bf16 = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
   }
-  if (packed.scalar_type() == at::kBFloat16 && cpu_has_amx_bf16()) {
+  if (packed.scalar_type() == at::kBFloat16 && kernel_uses_amx()) {
 #if VLMSPEC_AMX
     amx::packed_linear(static_cast<const uint16_t*>(x), M, K,
                        reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), out_features,
