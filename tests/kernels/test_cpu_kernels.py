@@ -284,6 +284,72 @@ def test_packed_linear_computes_each_row_as_it_would_alone_with_a_float32_bias(d
         torch.testing.assert_close(together.double(), expected, atol=tolerance, rtol=1e-2)
 
 
+needs_amx = pytest.mark.skipif(
+    not cpu_kernels.kernel_available() or not cpu_kernels.kernel_uses_amx(),
+    reason="the AMX tile path needs a CPU with AMX-BF16, Linux's permission and a compiler that knows AMX",
+)
+# K: a partial last chunk of 32 (odd: a padded pair), one chunk, several chunks and a partial one;
+# N: a partial block of 16, groups of 1-4 blocks of outputs.
+AMX_SHAPES = ((37, 45), (16, 32), (200, 96), (49, 1000))
+AMX_ROWS = (1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 47, 63, 64)
+
+
+@needs_amx
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_amx_packed_linear_computes_x_times_w_transposed_plus_bias(with_bias):
+    generator = torch.Generator().manual_seed(7)
+    for n, k in AMX_SHAPES:
+        weight = torch.randn(n, k, generator=generator).to(torch.bfloat16)
+        bias = torch.randn(n, generator=generator).to(torch.bfloat16) if with_bias else None
+        packed = cpu_kernels.pack_weight(weight)
+        for rows in range(1, 65):
+            x = torch.randn(rows, k, generator=generator).to(torch.bfloat16)
+            expected = x.double() @ weight.double().T + (bias.double() if with_bias else 0)
+            result = cpu_kernels.packed_linear(x, packed, n, bias)
+            assert result.dtype == torch.bfloat16 and result.shape == (rows, n)
+            tolerance = 1e-2 * expected.abs().max().item()  # the bfloat16 tolerance of the tests above
+            torch.testing.assert_close(result.double(), expected, atol=tolerance, rtol=1e-2)
+
+
+@needs_amx
+def test_amx_packed_linear_computes_each_row_as_it_would_alone_on_any_thread_count():
+    # Every bfloat16 call takes the tiles from one row on, the chunks of 16 rows overlap at the end of
+    # a call, and a tile's rows are independent sums: a decode and a verify agree bit for bit.
+    generator = torch.Generator().manual_seed(8)
+    threads = torch.get_num_threads()
+    for n, k in AMX_SHAPES:
+        weight = torch.randn(n, k, generator=generator).to(torch.bfloat16)
+        bias = torch.randn(n, generator=generator)  # float32, added before the one rounding
+        packed = cpu_kernels.pack_weight(weight)
+        x = torch.randn(64, k, generator=generator).to(torch.bfloat16)
+        alone = torch.cat([cpu_kernels.packed_linear(x[m : m + 1], packed, n, bias) for m in range(64)])
+        for rows in AMX_ROWS:
+            first = 64 - rows  # the last rows, so that each row also sits at another place in its tile
+            assert torch.equal(cpu_kernels.packed_linear(x[first:], packed, n, bias), alone[first:])
+        try:
+            torch.set_num_threads(2)
+            assert torch.equal(cpu_kernels.packed_linear(x, packed, n, bias), alone)
+        finally:
+            torch.set_num_threads(threads)
+
+
+@needs_amx
+def test_held_off_the_tiles_bfloat16_runs_vdpbf16ps_and_goes_to_aten_sooner(monkeypatch):
+    generator = torch.Generator().manual_seed(9)
+    weight = torch.randn(300, 1000, generator=generator).to(torch.bfloat16)
+    x = torch.randn(9, 1000, generator=generator).to(torch.bfloat16)
+    packed = cpu_kernels.pack_weight(weight)
+    tiles = cpu_kernels.packed_linear(x, packed, 300)
+    assert cpu_kernels.kernel_max_rows(torch.bfloat16) == cpu_kernels.linear_max_rows(torch.bfloat16) == 64
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx512_bf16")  # read at every kernel call
+    assert not cpu_kernels.kernel_uses_amx() and cpu_kernels.kernel_isa() == "avx512_bf16"
+    assert cpu_kernels.kernel_max_rows(torch.bfloat16) == cpu_kernels.AMX_BF16_MAX_ROWS
+    assert cpu_kernels.linear_max_rows(torch.bfloat16) == cpu_kernels.AMX_BF16_LINEAR_MAX_ROWS
+    vdpbf16ps = cpu_kernels.packed_linear(x, packed, 300)
+    # Both sum exact products in float32, in another order: at most a bfloat16 step apart.
+    torch.testing.assert_close(vdpbf16ps.float(), tiles.float(), atol=0, rtol=2**-7)
+
+
 @needs_packing
 def test_packed_linear_refuses_activations_of_another_dtype():
     packed = cpu_kernels.pack_weight(torch.randn(16, 8))

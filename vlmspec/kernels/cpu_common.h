@@ -236,6 +236,11 @@ bool cpu_has_avx512();
 
 // Whether AVX512-BF16 kernels may run here (cpu_linear.cpp; false under VLMSPEC_CPU_ISA=avx2).
 bool cpu_has_avx512_bf16();
+// Whether the bfloat16 packed linears run on AMX tiles here (cpu_packed.cpp: an AMX-BF16 CPU, Linux's
+// permission granted, built with a compiler that knows AMX; false under VLMSPEC_CPU_ISA=avx512_bf16).
+bool kernel_uses_amx();
+// Whether VLMSPEC_CPU_ISA holds this process to `form` ("avx2", "avx512_bf16"; cpu_linear.cpp).
+bool isa_held_to(const char* form);
 
 // ---- the block-paged KV pool (vlmspec/targets/pool.py) -----------------------------------------
 // A layer's keys (and values) are a pool of blocks [N, Hkv, bs, hd]. Row r's slot j lives in block

@@ -167,6 +167,7 @@ TORCH_LIBRARY(vlmspec, m) {
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("kernel_isa() -> str", &kernel_isa);
+  m.def("kernel_uses_amx() -> bool", &kernel_uses_amx);
   m.def("pack_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def(

@@ -29,6 +29,21 @@ pages (best of 21 interleaved passes, a shared machine); an 8-row tile of 3 weig
 8 activation rows reads the weights once for a whole verify. ``VLMSPEC_CPU_ISA=avx2`` holds
 such a CPU to the AVX2 form (tests, A/B timings).
 
+That tile is compute-bound from about 8 rows (~115 GFLOPS a core). On CPUs with AMX-BF16
+(Intel Xeon from Sapphire Rapids on), the bfloat16 packed linears run on the tile unit instead,
+from one row on (:func:`kernel_uses_amx`): the packed layout is AMX's weight-tile layout, one
+tile multiply takes 16 rows of x against 16 outputs over 32 k, and 4 blocks of outputs share
+each load of x. One thread on the 2-core AMX Xeon, weights read from memory: the LM head
+[49152, 576] took 3.9 / 3.9 / 4.1 / 6.6 ms at 1 / 8 / 16 / 64 rows on the tiles, against 3.9 /
+6.4 / 10.2 / 35 with ``vdpbf16ps`` and 6.7 / 7.7 / 7.9 / 10.4 for ATen's (oneDNN's AMX) GEMM, so
+a verify and a batched decode step of up to 16 rows read their weights at a one-row step's cost
+and the kernel keeps bfloat16 up to :data:`MAX_ROWS` (64). Every bfloat16 call takes the tiles,
+so a row's result does not depend on how many rows share its call (the tiles' float32 sums are
+ordered otherwise than ``vdpbf16ps``'s: a few outputs in 10,000 differ by one bfloat16 step).
+Linux grants the tiles per process (``arch_prctl``, asked once); ``VLMSPEC_CPU_ISA=avx512_bf16``
+holds such a CPU to ``vdpbf16ps``, and then bfloat16 past a few rows goes to ATen's GEMM
+(:func:`kernel_max_rows`, :func:`linear_max_rows`).
+
 :func:`decode_attention` attends a few new tokens per row over their row's KV buffer,
 where SDPA's CPU kernel spends 150-200 us a layer on one token and a few hundred keys.
 It reads bfloat16 K/V as stored (``vdpbf16ps`` scores on AVX512-BF16), allocates nothing
@@ -79,7 +94,8 @@ import torch
 from vlmspec.paths import default_cache_dir
 
 KERNEL_ENV = "VLMSPEC_CPU_KERNEL"
-# "avx2" holds an AVX-512 CPU to the AVX2 kernels (read by the kernel at each call): for tests and A/B timings.
+# "avx2" holds an AVX-512 CPU to the AVX2 kernels, "avx512_bf16" an AMX CPU to vdpbf16ps (no tiles); read by
+# the kernel at each call: for tests and A/B timings.
 ISA_ENV = "VLMSPEC_CPU_ISA"
 SOURCES = tuple(
     Path(__file__).with_name(name)
@@ -98,10 +114,22 @@ HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_common.h", "cpu
 # Measured on the AVX2 EPYC, a pass over every linear of the reference target: the kernel
 # beats ATen's GEMM at every row count up to 64 (float32 223 against 333 ms at 64 rows,
 # bfloat16 252 against 1,051). Past that, products become compute bound and a GEMM library
-# is the tool it was built for (large batches of requests, prefill).
+# is the tool it was built for (large batches of requests, prefill). On a CPU with AMX-BF16 the
+# kernel runs bfloat16 on the tile unit (cpu_packed.cpp, kernel_uses_amx) from one row on, and keeps
+# this limit too: one thread, on a 2-core AMX Xeon shared with other work (indicative), each call
+# reading its weight from memory (copies of it cycled, ~384 MB in all), ms at 1 / 8 / 16 / 32 / 64 rows:
+#   [3072, 576]   tiles 0.256 / 0.262 / 0.257 / 0.315 / 0.410, vdpbf16ps 0.250 / 0.391 / 0.672 / 1.20 / 2.24,
+#                 ATen 0.480 / 0.568 / 0.555 / 0.599 / 0.743
+#   [576, 1536]   tiles 0.130 / 0.118 / 0.124 / 0.153 / 0.190, ATen 0.198 / 0.191 / 0.204 / 0.216 / 0.286
+#   [1152, 576]   tiles 0.103 / 0.095 / 0.091 / 0.114 / 0.150, ATen 0.205 / 0.207 / 0.209 / 0.227 / 0.264
+#   [49152, 576]  tiles 3.86 / 3.91 / 4.06 / 4.93 / 6.64, vdpbf16ps 3.87 / 6.42 / 10.2 / 18.9 / 34.7,
+#                 ATen 6.66 / 7.75 / 7.86 / 8.52 / 10.4
+# (the tiles still led at 96 and 128 rows: 0.55 / 0.61 against ATen's 0.77 / 0.80 ms for [3072, 576]; the
+# limit stays 64, where prefill chunks and the Python reference's paths were measured).
 MAX_ROWS = 64
-# Where the CPU has AMX-BF16 (Intel Xeon from Sapphire Rapids on), oneDNN runs ATen's bfloat16 GEMM
-# on the tile unit, and it overtakes the kernel early. Measured on such a 2-core Xeon, one thread, a
+# Where the CPU has AMX-BF16 but the kernel runs without its tiles (VLMSPEC_CPU_ISA=avx512_bf16, Linux
+# refused the permission, a compiler without AMX), oneDNN still runs ATen's bfloat16 GEMM on the tile
+# unit, and it overtakes the vdpbf16ps kernel early. Measured on such a 2-core Xeon, one thread, a
 # [3072, 576] weight: the kernel 0.26 / 0.50 / 1.96 ms at 8 / 16 / 64 rows, ATen 0.26 / 0.26 / 0.42;
 # the LM head [49152, 576]: 5.2 / 8.7 / 36 against 4.3 / 4.4 / 8.2 (at one row the kernel still
 # wins: 2.1 against 3.9). A whole step also loses the native layer loop past the limit, so the
@@ -111,9 +139,10 @@ MAX_ROWS = 64
 # stays ahead to 64 rows there too.
 AMX_BF16_MAX_ROWS = 16
 # A linear called on its own (the LM head after the layers, the Python reference's linears) has no
-# native layer loop to keep, so it goes to ATen's GEMM sooner: quiet machine, two threads, the LM head
-# [49152, 576] took 2.42 / 3.71 / 6.31 ms on the kernel at 6 / 8 / 16 rows against ATen's 2.42 / 2.41 /
-# 2.64 (at 1 row the kernel: 1.17 against 2.32); a [3072, 576] weight 0.155 against 0.145 at 8 rows.
+# native layer loop to keep, so without the kernel's tiles it goes to ATen's GEMM sooner: quiet machine,
+# two threads, the LM head [49152, 576] took 2.42 / 3.71 / 6.31 ms on the kernel at 6 / 8 / 16 rows
+# against ATen's 2.42 / 2.41 / 2.64 (at 1 row the kernel: 1.17 against 2.32); a [3072, 576] weight 0.155
+# against 0.145 at 8 rows.
 AMX_BF16_LINEAR_MAX_ROWS = 7
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 # No contraction of a * b + c into one FMA outside the explicit intrinsics: rms_norm and
@@ -123,12 +152,19 @@ CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off")
 
 def kernel_max_rows(dtype: torch.dtype) -> int:
     """The most rows the native step takes in ``dtype`` here; past them the layers run ATen's GEMM."""
-    return AMX_BF16_MAX_ROWS if dtype == torch.bfloat16 and cpu_has_amx_bf16() else MAX_ROWS
+    return AMX_BF16_MAX_ROWS if _only_aten_has_tiles(dtype) else MAX_ROWS
 
 
 def linear_max_rows(dtype: torch.dtype) -> int:
     """The most rows a linear called on its own runs on the kernel in ``dtype`` here; past them ATen's GEMM."""
-    return AMX_BF16_LINEAR_MAX_ROWS if dtype == torch.bfloat16 and cpu_has_amx_bf16() else MAX_ROWS
+    return AMX_BF16_LINEAR_MAX_ROWS if _only_aten_has_tiles(dtype) else MAX_ROWS
+
+
+def _only_aten_has_tiles(dtype: torch.dtype) -> bool:
+    """Whether ATen's GEMM runs ``dtype`` on AMX tiles here and the kernel does not (see AMX_BF16_MAX_ROWS)."""
+    if dtype != torch.bfloat16 or not cpu_has_amx_bf16():
+        return False
+    return not (kernel_available() and kernel_uses_amx())
 
 
 @functools.cache
@@ -152,8 +188,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def kernel_isa() -> str:
-    """The form the linears take here: ``"avx512_bf16"``, ``"avx512"`` or ``"avx2"`` (after ``VLMSPEC_CPU_ISA``)."""
+    """The form the linears take here: ``"avx512_bf16"``, ``"avx512"`` or ``"avx2"`` (after ``VLMSPEC_CPU_ISA``).
+
+    On top of ``"avx512_bf16"``, the bfloat16 packed linears may run on AMX tiles: :func:`kernel_uses_amx`.
+    """
     return torch.ops.vlmspec.kernel_isa()
+
+
+def kernel_uses_amx() -> bool:
+    """Whether the bfloat16 packed linears run on AMX-BF16 tiles here (not under ``VLMSPEC_CPU_ISA=avx512_bf16``)."""
+    return torch.ops.vlmspec.kernel_uses_amx()
 
 
 def packing_applies(weight: torch.Tensor) -> bool:

@@ -252,11 +252,13 @@ void linear(const T* x, int64_t M, const T* w, int64_t N, int64_t K, float* out)
 
 }  // namespace
 
-// VLMSPEC_CPU_ISA=avx2 keeps an AVX-512 CPU on the AVX2 kernels (how the tests cover both here).
-bool avx2_forced() {
+// VLMSPEC_CPU_ISA holds a CPU to an older form of the kernels (how the tests cover every form here):
+// "avx2" keeps an AVX-512 CPU on the AVX2 kernels, "avx512_bf16" an AMX CPU off the tiles.
+bool isa_held_to(const char* form) {
   const char* isa = std::getenv("VLMSPEC_CPU_ISA");
-  return isa != nullptr && std::strcmp(isa, "avx2") == 0;
+  return isa != nullptr && std::strcmp(isa, form) == 0;
 }
+bool avx2_forced() { return isa_held_to("avx2"); }
 bool cpu_has_avx512() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
   return has && !avx2_forced();

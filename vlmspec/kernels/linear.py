@@ -49,7 +49,7 @@ class PackedLinear:
     * ``"aten"``: plain ``F.linear`` (GPUs, bfloat16 on a CPU without native bfloat16).
 
     More rows than ``max_rows`` (a wide batch; :func:`~vlmspec.kernels.cpu_kernels.linear_max_rows`:
-    64, or 7 in bfloat16 on a CPU with AMX) go through ATen's GEMM, which is the better tool
+    64, or 7 in bfloat16 on an AMX CPU where the kernel runs without its tiles) go through ATen's GEMM, the better tool
     there, over the model's own weights. The native step runs its packed weights itself, up to
     :func:`~vlmspec.kernels.cpu_kernels.kernel_max_rows`.
     """
