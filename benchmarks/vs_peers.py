@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     out = prepare_out_dir(args.out)
     tasks = [t for path in args.prompt_set or PROMPT_SETS for t in prompt_set_tasks(path, args.num_questions)]
     target = load_target("reference", dtype=args.dtype)
-    engine, dspark, dspark_alone = drafter_engines(target, reference_drafter_dir("reference"), args.dtype)
+    engine, dspark, dspark_alone = drafter_engines(target, reference_drafter_dir("reference"))
     inputs = [target.build_inputs(None, task.prompt) for task in tasks]
     prompt_ids = [x.input_ids[0].tolist() for x in inputs]
 
@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
         DEFAULTS: vlmspec_run("fast", True),
     }
     if args.previous_drafter is not None:
-        old_defaults, old_dspark, _ = drafter_engines(target, args.previous_drafter, args.dtype)
+        old_defaults, old_dspark, _ = drafter_engines(target, args.previous_drafter)
         variants[f"{DSPARK_EVERY_ROUND} (previous drafter)"] = vlmspec_run("fast", True, old_dspark)
         variants[f"{DEFAULTS} (previous drafter)"] = vlmspec_run("fast", True, old_defaults)
     skipped: dict[str, str] = {}
@@ -226,11 +226,11 @@ DEFAULTS = "vlmspec defaults: n-gram + corpus + DSpark, drafting policy, SPS"
 DSPARK_ALONE = "vlmspec + DSpark alone, drafting policy, SPS (reference-dspark)"
 
 
-def drafter_engines(target, drafter_dir: Path, dtype: str):
+def drafter_engines(target, drafter_dir: Path):
     """(defaults, DSpark every round, DSpark alone under the drafting policy) around the DSpark drafter in
     ``drafter_dir``, its calibration in the scheduler.
 
-    The reference pair's serving defaults: SPS on this dtype's measured curve, the drafter's calibrated
+    The reference pair's serving defaults: SPS on the target's curve measured on this machine, the drafter's calibrated
     confidences; the defaults add n-gram and corpus copies under the drafting policy; DSpark alone is what
     ``reference-dspark`` loads (the policy, no copies), with measured drafting costs.
     """
