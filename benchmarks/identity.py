@@ -26,9 +26,15 @@ def identity_report(target, inputs, reference: list[list[int]], tokens: list[lis
     return {"identical": identical, "ties": ties, "divergences": divergences}
 
 
-@torch.inference_mode()
 def top2_margin(target, x, prefix: list[int]) -> float:
-    """The target's own top-2 logit margin after the prompt ``x`` and ``prefix`` (transformers' forward).
+    """The target's own top-2 logit margin after the prompt ``x`` and ``prefix`` (transformers' forward)."""
+    best, second = top2_logits(target, x, prefix)
+    return best - second
+
+
+@torch.inference_mode()
+def top2_logits(target, x, prefix: list[int]) -> tuple[float, float]:
+    """The target's own two best logits after the prompt ``x`` and ``prefix`` (transformers' forward).
 
     ``x`` is the target's ``TargetInputs``: a text prompt or one with images (its pixels and grids
     go into the forward as they are).
@@ -41,5 +47,5 @@ def top2_margin(target, x, prefix: list[int]) -> float:
             tail = extra if key == "input_ids" else torch.full_like(extra, 1 if key == "attention_mask" else 0)
             kwargs[key] = torch.cat([value, tail.to(device=value.device, dtype=value.dtype)], dim=1)
     logits = target.model(**kwargs, logits_to_keep=1).logits[0, -1].float()
-    best = torch.topk(logits, 2).values
-    return float(best[0] - best[1])
+    best, second = torch.topk(logits, 2).values.tolist()
+    return best, second

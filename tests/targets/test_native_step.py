@@ -9,9 +9,12 @@ and ragged batches of one and of several tokens per row. The native step runs pa
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
+from benchmarks.identity import top2_logits
 from vlmspec import SpecEngine
 from vlmspec.drafters.prompt_lookup import PromptLookup
 from vlmspec.kernels import cpu_kernels
@@ -142,7 +145,7 @@ def test_without_the_kernel_there_is_no_native_step(make_target, monkeypatch):
 
 
 @pytest.mark.parametrize("family", NATIVE_FAMILIES)
-def test_greedy_speculation_is_the_target_alone_and_the_python_reference_token_for_token(
+def test_greedy_speculation_is_the_target_alone_and_the_python_reference_up_to_bf16_ties(
     make_target, family, astronaut, packed_linears
 ):
     target = target_of(make_target, family, torch.bfloat16)
@@ -159,4 +162,27 @@ def test_greedy_speculation_is_the_target_alone_and_the_python_reference_token_f
     finally:
         decoder.native = loop
     assert target.packed_decoder() is decoder  # the same packed weights ran both loops
-    assert native.token_ids == alone.token_ids == python.token_ids
+    inputs = target.build_inputs(picture, prompt)
+    assert_same_or_split_at_a_bf16_tie(target, inputs, alone.token_ids, native.token_ids)
+    assert_same_or_split_at_a_bf16_tie(target, inputs, alone.token_ids, python.token_ids)
+
+
+def assert_same_or_split_at_a_bf16_tie(target, inputs, expected: list[int], got: list[int]) -> None:
+    """``got`` is ``expected`` token for token, or first differs where the target's top two logits tie in bf16.
+
+    A verify forward sums a row's products in another order than a one-token step, so where
+    the two best logits lie within two bf16 ulps of each other either may win: a tie, not an
+    error. (Random tiny models meet such ties; on one CPU this prompt met one at token 13.)
+    Anywhere else a difference is a bug.
+    """
+    if got == expected:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    best, second = top2_logits(target, inputs, expected[:at])
+    bound = 2 * _bf16_ulp(best)
+    assert best - second <= bound, f"outputs differ at token {at}, where the top-2 margin {best - second} > {bound}"
+
+
+def _bf16_ulp(value: float) -> float:
+    """The spacing of bfloat16 numbers at ``value`` (8 significant bits)."""
+    return 2.0 ** (math.floor(math.log2(max(abs(value), 2.0**-126))) - 7)
