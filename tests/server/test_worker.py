@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from vlmspec.server.worker import EngineWorker, Overloaded, Unavailable
 from vlmspec.serving import BatchEngine
@@ -143,3 +144,19 @@ def test_a_request_the_engine_lost_is_answered_without_killing_the_thread(server
         await settle(worker)
 
     asyncio.run(scenario())
+
+
+def test_the_engine_thread_runs_torch_on_the_cpu_threads_it_is_given(server_target):
+    async def scenario() -> list[int]:
+        worker = EngineWorker(BatchEngine(server_target))
+        worker.start(cpu_threads=1)
+        seen: list[int] = []
+        done = threading.Event()
+        worker._send(lambda: (seen.append(torch.get_num_threads()), done.set()))
+        assert done.wait(DEADLINE_S)
+        worker.stop()
+        return seen
+
+    before = torch.get_num_threads()
+    assert asyncio.run(scenario()) == [1]
+    assert torch.get_num_threads() == before  # the process-wide count is the caller's business

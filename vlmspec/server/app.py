@@ -46,6 +46,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from vlmspec.kernels.threads import hand_over_cpu_threads, run_single_threaded, take_back_cpu_threads
 from vlmspec.server.limits import DEFAULT_REQUEST_LIMITS, FLAGS, RETRY_AFTER_S, RequestLimits
 from vlmspec.server.media import engine_messages
 from vlmspec.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -105,17 +106,25 @@ def create_app(engine: BatchEngine, config: ServerConfig | None = None) -> FastA
     )
     # Images are decoded and prompts tokenised here, one request at a time: never on the engine's thread
     # (a long prompt would stall every stream), and never many at once (each holds its decoded images).
-    preprocessor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlmspec-preprocess")
+    # Single-threaded, so it never builds an OpenMP pool beside the engine's (see kernels.threads).
+    preprocessor = concurrent.futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="vlmspec-preprocess", initializer=run_single_threaded
+    )
     # A text of more characters than this cannot fit the prompt cap: no token is longer than the longest one.
     longest_token = max(map(len, engine.target.tokenizer.get_vocab()), default=1)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        worker.start()
-        yield
-        worker.stop()
-        preprocessor.shutdown(wait=False, cancel_futures=True)
+        # This thread loaded the model; its CPU threads go to the engine's thread while it runs (kernels.threads).
+        cpu_threads = hand_over_cpu_threads()
+        try:
+            worker.start(cpu_threads)
+            yield
+        finally:
+            worker.stop()
+            preprocessor.shutdown(wait=False, cancel_futures=True)
+            take_back_cpu_threads()
 
     app = FastAPI(title="vlmspec", description="Lossless speculative decoding for Qwen-VL", lifespan=lifespan)
     app.state.worker, app.state.metrics, app.state.config = worker, metrics, config

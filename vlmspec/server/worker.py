@@ -34,6 +34,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from vlmspec.kernels.threads import take_cpu_threads
 from vlmspec.serving.engine import BatchEngine, StepOutput
 from vlmspec.serving.text import TextDeltas
 from vlmspec.types import GenerationResult, SpecStats
@@ -160,6 +163,7 @@ class EngineWorker:
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._cpu_threads = 1  # how many CPU threads the engine thread runs torch on (set by start)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handles: dict[str, RequestHandle] = {}  # worker thread only: unfinished requests in the engine
         self._active = 0  # event loop only: submitted requests whose result has not arrived
@@ -196,11 +200,15 @@ class EngineWorker:
             )
         return Unavailable("the engine is not running: " + ("it is stopping" if self._thread else "it is not started"))
 
-    def start(self) -> None:
-        """Start the engine thread; call from the event loop that will submit requests."""
+    def start(self, cpu_threads: int | None = None) -> None:
+        """Start the engine thread; call from the event loop that will submit requests.
+
+        The engine thread runs torch on ``cpu_threads`` CPU threads (default: the calling thread's count).
+        """
         if self._thread is not None:
             raise RuntimeError("the worker is already started")
         self._loop = asyncio.get_running_loop()
+        self._cpu_threads = cpu_threads or torch.get_num_threads()
         self._thread = threading.Thread(target=self._run, name="vlmspec-engine", daemon=True)
         self._thread.start()
 
@@ -291,6 +299,7 @@ class EngineWorker:
 
     def _run(self) -> None:
         try:
+            take_cpu_threads(self._cpu_threads)
             while not self._stopping or not self._commands.empty():
                 self._wake.clear()
                 if self._run_commands() and self._on_step is not None:
