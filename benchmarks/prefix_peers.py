@@ -231,6 +231,30 @@ def system_rows(ttfts: Sequence[float | None], errors: Sequence[str | None] = ()
     return rows
 
 
+def median_of_repeats(runs: Sequence[Sequence[dict]]) -> list[dict]:
+    """Several repeats of one scenario's rows merged row by row: each number the median over the repeats.
+
+    A ratio is each repeat's own (its warm and cold ran side by side) and then the median of those;
+    ``same`` holds only where every repeat's answers agreed; the first error is kept.
+    """
+    merged = []
+    for rows in zip(*runs, strict=True):
+        row = {"repeats": len(rows)}
+        for field, value in rows[0].items():
+            if field in ("turn", "request"):
+                row[field] = value
+            elif field == "same":
+                row[field] = all(r[field] for r in rows)
+            elif field != "error":
+                found = [r[field] for r in rows if r.get(field) is not None]
+                row[field] = statistics.median(found) if found else None
+        errors = [r["error"] for r in rows if r.get("error")]
+        if errors:
+            row["error"] = errors[0]
+        merged.append(row)
+    return merged
+
+
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return None if numerator is None or not denominator else numerator / denominator
 

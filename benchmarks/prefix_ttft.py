@@ -24,6 +24,9 @@ skips the encoder). Issue #45's bars: turns 3-5 of the chat at most 0.5x cold (g
 requests behind the system prompt at most 0.4x the first. Greedy outputs of warm and cold
 must agree.
 
+Every scenario runs ``--repeats`` times, each time on fresh engines and servers (one run's
+cells move by tens of milliseconds on a 2-core machine); the tables give the medians.
+
 Writes ``prefix_ttft.json`` and ``prefix_ttft.md`` (a table per scenario: per turn or request,
 each engine's TTFT and warm / cold or the ratio to the first request) into ``--out``.
 
@@ -73,7 +76,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--system-tokens", type=int, default=1500)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--picture", default="astronaut", help="a scikit-image picture (held out)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="independent runs of every scenario, each on fresh engines and servers; the tables give medians",
+    )
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     args.engine_list = [e for e in args.engines.split(",") if e]
     if not args.engine_list or set(args.engine_list) - set(engines):
         parser.error(f"--engines takes any of {', '.join(engines)}, got {args.engines!r}")
@@ -142,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vlmspec.data.pictures import skimage_image
     from vlmspec.loading import load_target
     from vlmspec.serving import BatchEngine
+    from vlmspec.targets.families import VisionCache
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -159,10 +171,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         def engine_of() -> BatchEngine:
             return BatchEngine(target, max_batch_size=1)
 
-        scenarios["image chat"][IN_PROCESS] = chat(engine_of, target, picture, chat_questions, args.max_new_tokens)
-        scenarios["system prompt"][IN_PROCESS] = shared_system(
-            engine_of, target, system_questions, args.system_tokens, args.max_new_tokens
-        )
+        chats, systems = [], []
+        for _ in range(args.repeats):
+            target.vision_cache = VisionCache()  # each repeat starts as a fresh process would
+            chats.append(chat(engine_of, target, picture, chat_questions, args.max_new_tokens))
+            systems.append(shared_system(engine_of, target, system_questions, args.system_tokens, args.max_new_tokens))
+        scenarios["image chat"][IN_PROCESS] = prefix_peers.median_of_repeats(chats)
+        scenarios["system prompt"][IN_PROCESS] = prefix_peers.median_of_repeats(systems)
     system = system_text(target.tokenizer, system_questions, args.system_tokens)
     cold = {}
     if IN_PROCESS in args.engine_list:
@@ -171,10 +186,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             engine = prefix_peers.make_engine(name, args, peer_logs_dir(out, name))
             cold[name] = engine.cold
-            log(f"[prefix-ttft] {name}: starting its servers ...")
-            found = prefix_peers.run_engine(engine, picture, chat_questions, system, system_questions, args)
-            for scenario, rows in found.items():
-                scenarios[scenario][name] = rows
+            runs = []
+            for repeat in range(args.repeats):
+                log(f"[prefix-ttft] {name}: starting its servers (repeat {repeat + 1}/{args.repeats}) ...")
+                runs.append(prefix_peers.run_engine(engine, picture, chat_questions, system, system_questions, args))
+            for scenario in runs[0]:
+                scenarios[scenario][name] = prefix_peers.median_of_repeats([found[scenario] for found in runs])
         except (PeerNotReady, RuntimeError, ValueError, OSError) as err:
             skipped[name] = " ".join(str(err).split())[:600]
             log(f"[prefix-ttft] {name} left out: {skipped[name]}")
@@ -193,7 +210,8 @@ def report(scenarios: dict[str, dict[str, list[dict]]], cold: dict[str, str], sk
     lines = [
         f"target {args.target}, {args.dtype}, greedy, {args.max_new_tokens} new tokens; chat: {args.turns} turns "
         f"(picture {args.picture} in the first), system prompt: about {args.system_tokens} tokens, "
-        f"{args.requests} requests; TTFT from the request to the first token (HTTP engines: the first content chunk)",
+        f"{args.requests} requests; TTFT from the request to the first token (HTTP engines: the first content chunk); "
+        f"each cell the median of {args.repeats} independent runs (a ratio: of each run's own ratio)",
         "",
         *(f"- {engine}: cold = {how}" for engine, how in cold.items()),
         *(f"- {engine}: not run: {why}" for engine, why in skipped.items()),

@@ -64,6 +64,20 @@ def test_system_rows_are_ratios_to_the_first_and_the_median_skips_it():
     assert prefix_peers.median_later_ratio(rows[:1]) is None
 
 
+def test_repeats_merge_into_medians_with_each_runs_own_ratio():
+    runs = [
+        [{"turn": 1, "warm": 1.0, "cold": 2.0, "ratio": 0.5, "same": True}],
+        [{"turn": 1, "warm": 3.0, "cold": 3.0, "ratio": 1.0, "same": False}],
+        [{"turn": 1, "warm": 2.0, "cold": 8.0, "ratio": 0.25, "same": True, "error": "late"}],
+    ]
+    (row,) = prefix_peers.median_of_repeats(runs)
+    assert row == {"turn": 1, "warm": 2.0, "cold": 3.0, "ratio": 0.5, "same": False, "repeats": 3, "error": "late"}
+    systems = [prefix_peers.system_rows([2.0, 0.5]), prefix_peers.system_rows([4.0, None], [None, "timeout"])]
+    merged = prefix_peers.median_of_repeats(systems)
+    assert [r["ttft"] for r in merged] == [3.0, 0.5] and merged[1]["ratio_to_first"] == 0.25
+    assert merged[1]["error"] == "timeout" and merged[0]["request"] == 1
+
+
 def test_tables_put_engines_side_by_side_and_fill_gaps():
     chat = {
         "a": [{"turn": 1, "warm": 1.0, "cold": 1.0, "ratio": 1.0, "same": True}],
