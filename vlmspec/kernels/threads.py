@@ -112,8 +112,10 @@ def hand_over_cpu_threads() -> int:
 def _pause_pool(runtime: ctypes.CDLL) -> bool:
     """Free the calling thread's idle worker threads (OpenMP 5.0's soft pause; libgomp 9 and later)."""
     pause = getattr(runtime, "omp_pause_resource_all", None)
-    if pause is None:
-        return True  # an older runtime: the pool stays, but the thread still stops using it
+    if pause is None or not os.path.basename(runtime._name).startswith("libgomp"):
+        # An older runtime, or LLVM's or Intel's, whose pause reaches every thread's pool, not this
+        # thread's alone: the pool stays, but the thread still stops using it.
+        return True
     pause.argtypes = [ctypes.c_int]
     return pause(1) == 0  # 1 = omp_pause_soft; nonzero inside a parallel region, where nothing may change
 
