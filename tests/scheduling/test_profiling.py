@@ -42,9 +42,25 @@ def test_measure_sps_uses_warmup_repeats_and_the_median() -> None:
     )
     assert table.tokens == (1, 2, 3)
     assert table.steps_per_s == pytest.approx((100.0, 50.0, 100.0 / 3))
-    assert clock.calls == [1] * 7 + [2] * 7 + [3] * 7  # 2 warm-up + 5 timed per token count
-    assert len(synced) == 3 * (1 + 5)
+    warmup, rounds = [1, 1, 2, 2, 3, 3], [[1, 2, 3], [2, 3, 1], [3, 1, 2], [1, 2, 3], [2, 3, 1]]
+    assert clock.calls == warmup + [n for r in rounds for n in r]  # timed round-robin from a rotating start
+    assert len(synced) == 1 + 3 * 5
     assert table.meta.warmup == 2 and table.meta.repeats == 5 and table.meta.model == META.model
+
+
+def test_a_slow_spell_lands_on_every_token_count_not_on_one() -> None:
+    """The machine runs 3x slower for the first 4 forwards: timed in blocks, that would be most of
+    1 token's runs (T(1) tripled, every T(n) / T(1) compressed); round-robin, each count keeps a majority of
+    normal runs and the curve comes out exact."""
+
+    class SpellClock(FakeClock):
+        def step(self, n: int) -> None:
+            self.calls.append(n)
+            self.now += 0.010 * n * (3 if len(self.calls) <= 4 else 1)
+
+    clock = SpellClock()
+    table = measure_sps(clock.step, 3, meta=META, warmup=0, repeats=5, clock=clock)
+    assert [round(1 / s, 6) for s in table.steps_per_s] == [0.01, 0.02, 0.03]
 
 
 def test_measure_sps_on_selected_token_counts() -> None:

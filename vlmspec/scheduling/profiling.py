@@ -45,7 +45,10 @@ def measure_sps(
     """Time ``step(n)`` (one forward with ``n`` tokens in flight) and tabulate steps/s.
 
     For each token count (default: every n in 1..max_tokens) the step runs ``warmup``
-    untimed times, then ``repeats`` timed times. The median times are then fitted
+    untimed times; then ``repeats`` rounds time every count once each, round-robin from a
+    rotating start, so a slow spell of the machine lands on all counts alike instead of
+    inflating one count's block (on a shared 2-core VM such spells moved a step by up to 35%
+    and compressed ``T(n) / T(1)``). The median times are then fitted
     non-decreasing in the token count (a forward over more tokens never costs less; the
     schedulers' early stop assumes a smooth curve, design notes §8), and the table holds
     1 / fitted time. A RuntimeWarning names the points whose median lies further from the
@@ -63,7 +66,7 @@ def measure_sps(
     if not is_int(warmup) or warmup < 0 or not is_int(repeats) or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup!r}, repeats={repeats!r}")
     sync = synchronize or (lambda: None)
-    timings = [_step_times(step, n, warmup, repeats, sync, clock) for n in counts]
+    timings = _interleaved_times(step, counts, warmup, repeats, sync, clock)
     medians = [statistics.median(times) for times in timings]
     fitted = monotone_fit(medians)
     off = [
@@ -83,22 +86,32 @@ def measure_sps(
     return SPSTable(tuple(counts), tuple(1.0 / f for f in fitted), meta)
 
 
-def _step_times(
-    step: Callable[[int], None], n: int, warmup: int, repeats: int, sync: Callable[[], None], clock: Callable[[], float]
-) -> list[float]:
-    for _ in range(warmup):
-        step(n)
+def _interleaved_times(
+    step: Callable[[int], None],
+    counts: list[int],
+    warmup: int,
+    repeats: int,
+    sync: Callable[[], None],
+    clock: Callable[[], float],
+) -> list[list[float]]:
+    """Each count's timed runs ([len(counts)][repeats] seconds): round r times every count once, from count r."""
+    for n in counts:
+        for _ in range(warmup):
+            step(n)
     sync()
-    times = []
-    for _ in range(repeats):
-        start = clock()
-        step(n)
-        sync()
-        times.append(clock() - start)
-    median = statistics.median(times)
-    if not median > 0:
-        raise ValueError(f"step({n}) took {median} s (median); the clock must advance while a step runs")
-    return times
+    times: dict[int, list[float]] = {n: [] for n in counts}
+    for round_index in range(repeats):
+        start_at = round_index % len(counts)
+        for n in counts[start_at:] + counts[:start_at]:
+            start = clock()
+            step(n)
+            sync()
+            times[n].append(clock() - start)
+    for n in counts:
+        median = statistics.median(times[n])
+        if not median > 0:
+            raise ValueError(f"step({n}) took {median} s (median); the clock must advance while a step runs")
+    return [times[n] for n in counts]
 
 
 def profile_forward(
