@@ -19,11 +19,16 @@ def identity_report(target, inputs, reference: list[list[int]], tokens: list[lis
         if ref == got:
             identical += 1
             continue
-        at = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+        at = first_difference(ref, got)
         top2 = top2_margin(target, x, ref[:at])
         ties += int(top2 < margin)
         divergences.append({"position": at, "top2_margin": top2})
     return {"identical": identical, "ties": ties, "divergences": divergences}
+
+
+def first_difference(expected: list[int], got: list[int]) -> int:
+    """The first position where two token lists differ (the shorter one's length if one extends the other)."""
+    return next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
 
 
 def top2_margin(target, x, prefix: list[int]) -> float:

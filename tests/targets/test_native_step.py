@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from benchmarks.identity import top2_logits
+from benchmarks.identity import first_difference, top2_logits
 from vlmspec import SpecEngine
 from vlmspec.drafters.prompt_lookup import PromptLookup
 from vlmspec.kernels import cpu_kernels
@@ -177,7 +177,7 @@ def assert_same_or_split_at_a_bf16_tie(target, inputs, expected: list[int], got:
     """
     if got == expected:
         return
-    at = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    at = first_difference(expected, got)
     best, second = top2_logits(target, inputs, expected[:at])
     bound = 2 * _bf16_ulp(best)
     assert best - second <= bound, f"outputs differ at token {at}, where the top-2 margin {best - second} > {bound}"
