@@ -65,30 +65,30 @@ void norm_rope_head(const T* x, const T* norm, const float* cos, const float* si
   rope_row(normed, cos, sin, hd, out);
 }
 
-// One query q (float32, hd a multiple of 8) over `visible` keys and values of one KV head:
-// softmax(q . k * scale) weighted values, in float32.
-template <typename T>
-void attend_query(const float* q, const T* keys, const T* values, int64_t visible, int64_t hd, float scale,
-                  float* scores, float* out) {
-  int64_t j = 0;
-  for (; j + 8 <= visible; j += 8) {
+// The scores of Q queries (float32 rows `stride` apart, hd a multiple of 8) against 8 keys held
+// as float32 in `keys` [8, hd]: scores[q * stride + i] = q . k_i * scale, each dot summed as
+// attend_head's single-key path sums it (8 float32 partial sums over d, then across the lanes).
+inline void score_eight_keys(const float* queries, int64_t Q, int64_t stride, const float* keys, int64_t hd,
+                             float scale, float* scores) {
+  for (int64_t q = 0; q < Q; ++q) {
+    const float* query = queries + q * hd;
     __m256 acc[8];
     for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t d = 0; d < hd; d += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + d);
-      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, load8(keys + (j + i) * hd + d), acc[i]);
+      const __m256 qv = _mm256_loadu_ps(query + d);
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + i * hd + d), acc[i]);
     }
-    _mm256_storeu_ps(scores + j, _mm256_mul_ps(horizontal_sums(acc), _mm256_set1_ps(scale)));
+    _mm256_storeu_ps(scores + q * stride, _mm256_mul_ps(horizontal_sums(acc), _mm256_set1_ps(scale)));
   }
-  for (; j < visible; ++j) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < hd; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(keys + j * hd + d), acc);
-    scores[j] = horizontal_sum(acc) * scale;
-  }
+}
+
+// softmax of one query's `visible` scores in place (unnormalised exp(s - max)); returns their sum.
+inline float exp_scores(float* scores, int64_t visible) {
   float top = -INFINITY;
-  for (j = 0; j < visible; ++j) top = std::max(top, scores[j]);
+  for (int64_t j = 0; j < visible; ++j) top = std::max(top, scores[j]);
   float total = 0.0f;
-  for (j = 0; j + 8 <= visible; j += 8) {
+  int64_t j = 0;
+  for (; j + 8 <= visible; j += 8) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), _mm256_set1_ps(top)));
     _mm256_storeu_ps(scores + j, e);
     total += horizontal_sum(e);
@@ -97,13 +97,69 @@ void attend_query(const float* q, const T* keys, const T* values, int64_t visibl
     scores[j] = std::exp(scores[j] - top);
     total += scores[j];
   }
-  for (int64_t d = 0; d < hd; d += 8) {
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (j = 0; j + 2 <= visible; j += 2)
+  return total;
+}
+
+// out[q] = sum_j p[q][j] v_j / total[q] for Q <= 4 queries and 8 lanes of the head dim at `d`:
+// each value vector is loaded once for all Q queries; each query's sum runs in the same order
+// (two partial sums over alternate keys) as it would alone.
+template <int Q, typename T>
+inline void weigh_values(const float* scores, int64_t stride, const float* totals, const T* values, int64_t visible,
+                         int64_t hd, int64_t d, float* out) {
+  __m256 acc[Q][2];
+  for (int q = 0; q < Q; ++q) acc[q][0] = acc[q][1] = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 2 <= visible; j += 2) {
+    const __m256 v[2] = {load8(values + j * hd + d), load8(values + (j + 1) * hd + d)};
+    for (int q = 0; q < Q; ++q)
       for (int u = 0; u < 2; ++u)
-        acc[u] = _mm256_fmadd_ps(_mm256_set1_ps(scores[j + u]), load8(values + (j + u) * hd + d), acc[u]);
-    for (; j < visible; ++j) acc[0] = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), load8(values + j * hd + d), acc[0]);
-    _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_set1_ps(1.0f / total)));
+        acc[q][u] = _mm256_fmadd_ps(_mm256_set1_ps(scores[q * stride + j + u]), v[u], acc[q][u]);
+  }
+  for (; j < visible; ++j) {
+    const __m256 v = load8(values + j * hd + d);
+    for (int q = 0; q < Q; ++q) acc[q][0] = _mm256_fmadd_ps(_mm256_set1_ps(scores[q * stride + j]), v, acc[q][0]);
+  }
+  for (int q = 0; q < Q; ++q)
+    _mm256_storeu_ps(out + q * hd + d,
+                     _mm256_mul_ps(_mm256_add_ps(acc[q][0], acc[q][1]), _mm256_set1_ps(1.0f / totals[q])));
+}
+
+// G queries of one head (float32 [G, hd], hd a multiple of 8) over the same `visible` keys and
+// values of its KV head: softmax(q . k * scale) weighted values, in float32, into out [G, hd].
+// Every key and value is read and widened once for the whole block instead of once per query
+// (the block's queries all see the same keys); each query's arithmetic is what it would be alone.
+// scratch: at least G * (visible + 8) + 8 * hd floats.
+template <typename T>
+void attend_head(const float* queries, int64_t G, const T* keys, const T* values, int64_t visible, int64_t hd,
+                 float scale, float* scratch, float* out) {
+  const int64_t stride = visible + 8;
+  float* scores = scratch;                 // [G, stride]
+  float* widened = scratch + G * stride;   // [8, hd] eight keys in float32
+  int64_t j = 0;
+  for (; j + 8 <= visible; j += 8) {
+    for (int i = 0; i < 8; ++i)
+      for (int64_t d = 0; d < hd; d += 8) _mm256_storeu_ps(widened + i * hd + d, load8(keys + (j + i) * hd + d));
+    score_eight_keys(queries, G, stride, widened, hd, scale, scores + j);
+  }
+  for (; j < visible; ++j)
+    for (int64_t q = 0; q < G; ++q) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t d = 0; d < hd; d += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(queries + q * hd + d), load8(keys + j * hd + d), acc);
+      scores[q * stride + j] = horizontal_sum(acc) * scale;
+    }
+  float totals[4];
+  for (int64_t first = 0; first < G; first += 4) {
+    const int64_t Q = std::min<int64_t>(4, G - first);
+    for (int64_t q = 0; q < Q; ++q) totals[q] = exp_scores(scores + (first + q) * stride, visible);
+    const float* rows = scores + first * stride;
+    float* into = out + first * hd;
+    for (int64_t d = 0; d < hd; d += 8) switch (Q) {
+        case 4: weigh_values<4>(rows, stride, totals, values, visible, hd, d, into); break;
+        case 3: weigh_values<3>(rows, stride, totals, values, visible, hd, d, into); break;
+        case 2: weigh_values<2>(rows, stride, totals, values, visible, hd, d, into); break;
+        default: weigh_values<1>(rows, stride, totals, values, visible, hd, d, into); break;
+      }
   }
 }
 
@@ -263,22 +319,23 @@ void run_block(const Weights& w, const Round& r, Scratch<T>& b, const Team& team
       }
     });
 #pragma omp barrier
-    // Tasks (head): every block position over the context and the block.
+    // Tasks (head): every block position over the context and the block, the keys read once per head.
     split_tasks(0, H, 1, [&](int64_t first, int64_t last) {
-      thread_local std::vector<float> scores, query, out;
-      scores.resize(static_cast<size_t>(visible + 8));
-      query.resize(static_cast<size_t>(hd));
-      out.resize(static_cast<size_t>(hd));
+      thread_local std::vector<float> scratch, queries, out;
+      scratch.resize(static_cast<size_t>(G * (visible + 8) + 8 * hd));
+      queries.resize(static_cast<size_t>(G * hd));
+      out.resize(static_cast<size_t>(G * hd));
       for (int64_t h = first; h < last; ++h) {
         const int64_t kv = h / (H / Hkv);
-        const T* k = ptr<T>(keys) + kv * capacity * hd;
-        const T* v = ptr<T>(values) + kv * capacity * hd;
         for (int64_t g = 0; g < G; ++g) {
           const T* q = ptr<T>(b.q) + (g * H + h) * hd;
-          for (int64_t j = 0; j < hd; ++j) query[j] = to_float(q[j]);
-          attend_query(query.data(), k, v, visible, hd, r.scale, scores.data(), out.data());
+          for (int64_t j = 0; j < hd; ++j) queries[g * hd + j] = to_float(q[j]);
+        }
+        attend_head(queries.data(), G, ptr<T>(keys) + kv * capacity * hd, ptr<T>(values) + kv * capacity * hd,
+                    visible, hd, r.scale, scratch.data(), out.data());
+        for (int64_t g = 0; g < G; ++g) {
           T* o = ptr<T>(b.attended) + g * H * hd + h * hd;
-          for (int64_t j = 0; j < hd; ++j) o[j] = stored<T>(out[j]);
+          for (int64_t j = 0; j < hd; ++j) o[j] = stored<T>(out[g * hd + j]);
         }
       }
     });
@@ -332,6 +389,7 @@ Scratch<T> scratch(const Weights& w, const Shape& s, int64_t span, const at::Ten
   b.logits = at::empty({s.vocab}, options.dtype(at::kFloat));
   b.conf_in = make({G, s.confidence == kNoConfidence ? 1 : w.confidence.in()});
   b.conf_out = make({G, 1});
+  b.best.assign(static_cast<size_t>(at::get_num_threads()), Best{-INFINITY, 0});
   return b;
 }
 

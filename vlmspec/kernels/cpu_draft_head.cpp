@@ -7,16 +7,11 @@ namespace vlmspec_cpu {
 namespace dspark {
 namespace {
 
-// The draw of one position: argmax (temperature 0) or the inverse-CDF draw of softmax(logits / T)
-// with the float64 uniform u (vlmspec.sampling.sample_from_uniforms: the first index whose float64
-// cumulative mass reaches (1 - u) * total). probs (when drawing) receives the float32 distribution.
+// The draw of one sampled position (temperature > 0; a greedy one takes largest_logit): the
+// inverse-CDF draw of softmax(logits / T) with the float64 uniform u (vlmspec.sampling.
+// sample_from_uniforms: the first index whose float64 cumulative mass reaches (1 - u) * total).
+// probs receives the float32 distribution.
 int64_t draw(const float* logits, int64_t N, double temperature, double uniform, float* probs) {
-  if (temperature == 0.0) {
-    int64_t best = 0;
-    for (int64_t i = 1; i < N; ++i)
-      if (logits[i] > logits[best]) best = i;
-    return best;
-  }
   const float t = static_cast<float>(temperature);
   float top = -INFINITY;
   for (int64_t i = 0; i < N; ++i) {
@@ -45,6 +40,44 @@ int64_t draw(const float* logits, int64_t N, double temperature, double uniform,
     if (cumulative >= target) return i;
   }
   return N - 1;
+}
+
+// The first index of the largest base[j] (+ bias[j], summed in float32) over [first, last), and
+// that value: what the argmax of draw() picks over the same logits, 8 lanes at a time (each lane
+// keeps its first largest; the lanes' tie goes to the lowest index).
+template <typename T>
+Best largest_logit(const T* base, const T* bias, int64_t first, int64_t last) {
+  const auto logit8 = [&](int64_t j) {
+    return bias == nullptr ? load8(base + j) : _mm256_add_ps(load8(base + j), load8(bias + j));
+  };
+  Best best{-INFINITY, first};
+  int64_t j = first;
+  if (j + 8 <= last) {
+    __m256 top = logit8(j);
+    __m256i where = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(j)),  // each lane's index
+                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i index = where;
+    for (j += 8; j + 8 <= last; j += 8) {
+      where = _mm256_add_epi32(where, _mm256_set1_epi32(8));
+      const __m256 v = logit8(j);
+      const __m256 larger = _mm256_cmp_ps(v, top, _CMP_GT_OQ);
+      top = _mm256_blendv_ps(top, v, larger);
+      index = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(index), _mm256_castsi256_ps(where), larger));
+    }
+    alignas(32) float values[8];
+    alignas(32) int32_t indices[8];
+    _mm256_store_ps(values, top);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(indices), index);
+    best = {values[0], indices[0]};
+    for (int i = 1; i < 8; ++i)
+      if (values[i] > best.value || (values[i] == best.value && indices[i] < best.index))
+        best = {values[i], indices[i]};
+  }
+  for (; j < last; ++j) {
+    const float v = bias == nullptr ? to_float(base[j]) : to_float(base[j]) + to_float(bias[j]);
+    if (v > best.value || j == first) best = {v, j};
+  }
+  return best;
 }
 
 }  // namespace
@@ -101,13 +134,27 @@ void run_head(const Weights& w, const Round& r, Scratch<T>& b, const Team& team)
       w.head_out(code, 1, b.bias.data_ptr());
 #pragma omp barrier
     }
+    const T* base = ptr<T>(b.base) + k * N;
+    const T* bias = s.head_kind == kNoHead ? nullptr : ptr<T>(b.bias);
+    if (r.temperature == 0.0) {  // greedy: every member the argmax of its share, member 0 the first largest of those
+      const int64_t share = (N / team.size + 7) / 8 * 8;
+      const int64_t first = std::min(N, team.member * share);
+      const int64_t last = team.member == team.size - 1 ? N : std::min(N, first + share);
+      b.best[team.member] = largest_logit(base, bias, first, last);
+#pragma omp barrier
+    }
     if (team.member == 0) {
-      const T* base = ptr<T>(b.base) + k * N;
-      const T* bias = ptr<T>(b.bias);
-      for (int64_t j = 0; j < N; ++j)
-        logits[j] = s.head_kind == kNoHead ? to_float(base[j]) : to_float(base[j]) + to_float(bias[j]);
-      const int64_t column = draw(logits, N, r.temperature, r.temperature == 0.0 ? 0.0 : r.uniforms[k],
-                                  r.probs == nullptr ? nullptr : r.probs + k * N);
+      int64_t column = 0;
+      if (r.temperature == 0.0) {
+        Best best = b.best[0];
+        for (int64_t m = 1; m < team.size; ++m)  // shares in index order: a tie keeps the earlier one
+          if (b.best[m].index < N && b.best[m].value > best.value) best = b.best[m];
+        column = best.index;
+      } else {
+        for (int64_t j = 0; j < N; ++j)
+          logits[j] = bias == nullptr ? to_float(base[j]) : to_float(base[j]) + to_float(bias[j]);
+        column = draw(logits, N, r.temperature, r.uniforms[k], r.probs == nullptr ? nullptr : r.probs + k * N);
+      }
       if (r.confidences != nullptr) {  // this position's confidence input: [h_k ; W1[x_{k-1}]]
         T* row = ptr<T>(b.conf_in) + k * b.conf_in.size(1);
         std::memcpy(row, hidden, d * sizeof(T));
