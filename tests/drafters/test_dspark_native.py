@@ -109,6 +109,34 @@ def test_proposer_takes_the_native_round_for_one_request_and_the_same_drafts_eit
     assert len(alone.cache) == len(batched.cache) == 74
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_greedy_tie_goes_to_the_first_draft_id_as_in_pytorch(dtype):
+    """Greedy draws split the draft vocabulary over the threads, 8 logits at a time: a tie must still go to
+    the lowest index, as torch.argmax gives it. Every LM head row is zero but two equal ones, in the
+    second half of a 37-id vocabulary (37: a share that ends in a scalar tail), so the base logits tie
+    exactly: at those two ids where their dot product is positive, else at the 35 zeros."""
+    drafter = drafter_in(dtype, "none", 37)
+    row = torch.randn(drafter.vocabulary.lm_head.weight.shape[1], generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        weight = drafter.vocabulary.lm_head.weight
+        weight.zero_()
+        weight[3 + 22] = weight[3 + 35] = row.to(dtype)  # draft ids 22 and 35 (the vocabulary is ids 3..39)
+    native = native_or_skip(drafter)
+    features, positions = random_context(drafter, 8)
+    drafted = set()
+    for anchor in range(8):
+        with torch.inference_mode():
+            cache = DraftContextCache()
+            cache.append(drafter.context_kv(features[None, :7].to(dtype), positions[None, :7]))
+            reference = drafter.draft(torch.tensor([anchor]), positions[7:8], cache.layers(), 0.0, None)
+        tokens, _, _ = native(
+            DraftContextCache(), features[:7].to(dtype), positions[:7], anchor, int(positions[7]), 0.0, None
+        )
+        assert torch.equal(tokens, reference.tokens[0])
+        drafted |= set(tokens.tolist())
+    assert drafted <= {3, 3 + 22}  # only ever the first of the tied ids
+
+
 def test_weights_are_rebuilt_when_the_drafter_changes():
     drafter = drafter_in(torch.float32, "vanilla", None)
     native = native_or_skip(drafter)

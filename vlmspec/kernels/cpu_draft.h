@@ -76,6 +76,13 @@ T* ptr(const at::Tensor& t) {
   return static_cast<T*>(t.data_ptr());
 }
 
+// The block's G queries (float32 [G, hd]) of one head over `visible` keys and values of its KV head
+// (cpu_draft_attention.cpp): softmax(q . k * scale) weighted values in float32, into out [G, hd].
+// scratch: at least G * (visible + 8) + 8 * hd floats.
+template <typename T>
+void attend_head(const float* queries, int64_t G, const T* keys, const T* values, int64_t visible, int64_t hd,
+                 float scale, float* scratch, float* out);
+
 // Phases 4-5 (cpu_draft_head.cpp), instantiated there for float and uint16_t (bfloat16).
 template <typename T>
 void run_head(const Weights& w, const Round& r, Scratch<T>& b, const Team& team);

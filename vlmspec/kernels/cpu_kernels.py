@@ -65,8 +65,8 @@ per step; bit for bit the reference's results.
 
 The kernels (``cpu_linear.cpp`` and ``cpu_packed.cpp``: the linears; ``cpu_kernels.cpp``: norm,
 RoPE + KV write and the registrations; ``cpu_attention.cpp``; ``cpu_step.cpp``: the native step;
-``cpu_sampling.cpp``; ``cpu_draft.cpp`` and ``cpu_draft_head.cpp``: a DSpark drafting round in
-one call, see :mod:`vlmspec.drafters.dspark.native`; the headers ``cpu_common.h``,
+``cpu_sampling.cpp``; ``cpu_draft.cpp``, ``cpu_draft_attention.cpp`` and ``cpu_draft_head.cpp``: a DSpark
+drafting round in one call, see :mod:`vlmspec.drafters.dspark.native`; the headers ``cpu_common.h``,
 ``cpu_layers.h`` and ``cpu_draft.h``) are
 compiled on first use, once per machine and torch version, into ``$VLMSPEC_CACHE/kernels``
 (about 20 s; needs a C++ compiler, which ``scripts/setup.sh`` installs, and ninja, which
@@ -107,6 +107,7 @@ SOURCES = tuple(
         "cpu_step.cpp",
         "cpu_sampling.cpp",
         "cpu_draft.cpp",
+        "cpu_draft_attention.cpp",
         "cpu_draft_head.cpp",
     )
 )
