@@ -148,3 +148,19 @@ def test_logits_to_tokens_match_the_reference_draw_for_draw(params: SamplingPara
         target = (1.0 - uniforms[row]) * cdf[row, -1]
         assert (cdf[row] - target).abs().min() <= 1e-5 * cdf[row, -1], (row, params)
     assert len(differ) <= rows // 100
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 7, 8, 9, 63, REFERENCE_VOCAB])
+def test_greedy_ids_are_torch_argmax_ties_and_nans_included(vocab: int, dtype: torch.dtype) -> None:
+    logits = logits_like_a_model(2 * 9, vocab, dtype, seed=3).view(2, 9, vocab)  # leading dims, rows on 2 threads
+    rows = logits.view(-1, vocab)
+    if vocab > 1:  # planted ties: each a row's largest value twice, in the 8-lane body, the tail, across lanes
+        for r, (first, second) in enumerate([(0, vocab - 1), (vocab // 2, vocab - 1), (1, 9), (vocab - 2, vocab - 1)]):
+            first, second = min(first, vocab - 1), min(second, vocab - 1)
+            rows[r, first] = rows[r, second] = rows[r].max() + 1
+        rows[4, vocab // 3] = float("nan")  # torch.argmax takes a NaN as the largest
+        rows[5] = float("-inf")  # nothing finite: the first index
+        rows[6, vocab - 1] = float("inf")
+    assert torch.equal(sampling.greedy_ids(logits), logits.argmax(dim=-1))
+    assert torch.equal(sampling.greedy_ids(logits[0, 0]), logits[0, 0].argmax(dim=-1))  # one row, no leading dims

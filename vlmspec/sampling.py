@@ -62,6 +62,7 @@ __all__ = [
     "reference_target_probs",
     "native_target_probs",
     "native_sampling_applies",
+    "greedy_ids",
     "greedy_one_hot",
     "mask_top_k",
     "mask_top_p",
@@ -184,10 +185,22 @@ def biased_logits(
     return logits.float().index_add(-1, ids, bias.expand(*logits.shape[:-1], -1))
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:  # logits [..., V] -> [...] int64
+    """``logits.argmax(dim=-1)``: the first largest logit of each row (a NaN counts as the largest, as there).
+
+    The native kernel takes float32 and bfloat16 CPU logits (:func:`native_sampling_applies`);
+    ATen's argmax reads a row one element at a time, about 42 us for the reference target's
+    49,156 ids on the 2-core EPYC, on every verification.
+    """
+    if logits.dtype in (torch.float32, torch.bfloat16) and logits.dim() >= 1 and native_sampling_applies(logits):
+        return torch.ops.vlmspec.greedy_ids(logits)
+    return logits.argmax(dim=-1)
+
+
 def greedy_one_hot(logits: torch.Tensor) -> torch.Tensor:  # logits [..., V] -> [..., V] float32
     """One-hot float32 of the argmax over the last dim (ties -> lowest index, as ``torch.argmax``)."""
     _check_logits(logits)
-    best = logits.argmax(dim=-1, keepdim=True)  # [..., 1]
+    best = greedy_ids(logits)[..., None]  # [..., 1]
     return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, best, 1.0)
 
 

@@ -105,7 +105,7 @@ def verify_greedy(
     ``num_tokens[r]`` (bonus). Ties in the argmax go to the lowest index, as ``torch.argmax``.
     """
     tokens, num_tokens = _check_block(block, target_logits, "target_logits")
-    target_argmax = target_logits.argmax(dim=-1)  # [B, gamma + 1]
+    target_argmax = sampling.greedy_ids(target_logits)  # [B, gamma + 1]
     matches = tokens == target_argmax[:, : block.gamma]  # [B, gamma]
     num_accepted = _count_leading_true(matches & _real_slots(num_tokens, block.gamma))  # [B]
     next_tokens = target_argmax.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # [B]
@@ -257,7 +257,7 @@ def _check_block(
     target: torch.Tensor,  # [B, gamma + 1, V]
     target_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [B, gamma] int64, num_tokens [B] int64
-    """Validate shapes and ranges of a block against the target tensor (one host sync)."""
+    """Validate shapes and ranges of a block against the target tensor (reads the block on the host)."""
     tokens, num_tokens = block.tokens, block.num_tokens
     if tokens.dim() != 2 or tokens.dtype.is_floating_point:
         raise ValueError(f"block.tokens must be an integer tensor [B, gamma], got {tuple(tokens.shape)} {tokens.dtype}")
@@ -271,9 +271,12 @@ def _check_block(
         )
     tokens, num_tokens = tokens.long(), num_tokens.long()
     vocab = target.shape[2]
-    real = _real_slots(num_tokens, gamma)
-    out_of_range = ((num_tokens < 0) | (num_tokens > gamma)).any() | (real & ((tokens < 0) | (tokens >= vocab))).any()
-    if bool(out_of_range):
+    # As Python ints: a round's block is a few ids a request, where each tensor comparison costs a dispatch.
+    counts, rows = num_tokens.tolist(), tokens.tolist()
+    out_of_range = any(not 0 <= n <= gamma for n in counts) or any(
+        not 0 <= token < vocab for row, n in zip(rows, counts) for token in row[:n]
+    )
+    if out_of_range:
         raise ValueError(
             f"block has num_tokens outside [0, gamma={gamma}] or real draft tokens outside the target's "
             f"vocabulary [0, {vocab}); clamp num_tokens and map draft ids into the target's vocabulary"

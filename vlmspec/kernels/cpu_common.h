@@ -304,4 +304,49 @@ void attention_into(const void* query, bool bf16_q, const at::Tensor& keys, cons
                     const KVPages& pages, const int64_t* rows, const int64_t* visible, int64_t B, int64_t H,
                     double scaling, int64_t grain, void* out);
 
+// A greedy pick's share: the largest logit over a range of the vocabulary and where (the first such index).
+struct Best {
+  float value;
+  int64_t index;
+};
+
+// The first index of the largest base[j] (+ bias[j], summed in float32) over [first, last), and
+// that value, 8 lanes at a time (each lane keeps its first largest; the lanes' tie goes to the
+// lowest index): torch.argmax's pick over finite logits. The drafting round's greedy draws and
+// greedy_ids (cpu_sampling.cpp) take it.
+template <typename T>
+Best largest_logit(const T* base, const T* bias, int64_t first, int64_t last) {
+  const auto logit8 = [&](int64_t j) {
+    return bias == nullptr ? load8(base + j) : _mm256_add_ps(load8(base + j), load8(bias + j));
+  };
+  Best best{-INFINITY, first};
+  int64_t j = first;
+  if (j + 8 <= last) {
+    __m256 top = logit8(j);
+    __m256i where = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(j)),  // each lane's index
+                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i index = where;
+    for (j += 8; j + 8 <= last; j += 8) {
+      where = _mm256_add_epi32(where, _mm256_set1_epi32(8));
+      const __m256 v = logit8(j);
+      const __m256 larger = _mm256_cmp_ps(v, top, _CMP_GT_OQ);
+      top = _mm256_blendv_ps(top, v, larger);
+      index = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(index), _mm256_castsi256_ps(where), larger));
+    }
+    alignas(32) float values[8];
+    alignas(32) int32_t indices[8];
+    _mm256_store_ps(values, top);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(indices), index);
+    best = {values[0], indices[0]};
+    for (int i = 1; i < 8; ++i)
+      if (values[i] > best.value || (values[i] == best.value && indices[i] < best.index))
+        best = {values[i], indices[i]};
+  }
+  for (; j < last; ++j) {
+    const float v = bias == nullptr ? to_float(base[j]) : to_float(base[j]) + to_float(bias[j]);
+    if (v > best.value || j == first) best = {v, j};
+  }
+  return best;
+}
+
 }  // namespace vlmspec_cpu

@@ -58,12 +58,6 @@ struct Round {
   float* confidences;               // [G] out when there is a confidence head
 };
 
-// One member's share of a greedy draw: its largest logit and where (the first such index).
-struct Best {
-  float value;
-  int64_t index;
-};
-
 template <typename T>
 struct Scratch {  // buffers of one call, allocated before the parallel region
   at::Tensor ctx, ctx_normed, ctx_kv, x, normed, qkv, q, attended, projected, gate_up, product, hidden, base;

@@ -1,4 +1,5 @@
-// Sampling in native code (vlmspec.sampling's fast path): the warper chain and the rejection sampler.
+// Sampling in native code (vlmspec.sampling's fast path): the warper chain, the rejection sampler and
+// the greedy pick (greedy_ids, at the end).
 //
 // sampling_warp: logits [N, V] (float32 or bfloat16) -> the float32 distribution [N, V] the target
 // samples from, under vlmspec.sampling's chain: + logit_bias, / temperature, top-k, top-p, min-p,
@@ -469,6 +470,55 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& target_pro
 }
 
 }  // namespace
+
+namespace {
+
+// The first NaN of a row, or -1: torch.argmax takes a NaN as the largest value.
+template <typename T>
+int64_t first_nan(const T* row, int64_t V) {
+  int64_t j = 0;
+  for (; j + 8 <= V; j += 8) {
+    const __m256 v = load8(row + j);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0) break;
+  }
+  for (; j < V; ++j)
+    if (std::isnan(to_float(row[j]))) return j;
+  return -1;
+}
+
+template <typename T>
+void greedy_rows(const T* logits, int64_t N, int64_t V, int64_t* out) {
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = logits + r * V;
+      const int64_t nan = first_nan(row, V);
+      out[r] = nan >= 0 ? nan : largest_logit<T>(row, nullptr, 0, V).index;
+    }
+  });
+}
+
+}  // namespace
+
+// greedy_ids: logits [..., V] (float32 or bfloat16) -> [...] int64, each row's torch.argmax (the
+// first largest logit; a row holding a NaN, its first NaN), rows split over the threads. ATen's
+// argmax reduces a 49,156-id row one element at a time (about 42 us a row on the 2-core EPYC).
+at::Tensor greedy_ids(const at::Tensor& logits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() >= 1 && logits.size(-1) > 0,
+              "greedy_ids takes CPU logits [..., V] with V > 0");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
+              "greedy_ids takes float32 or bfloat16 logits");
+  const int64_t V = logits.size(-1);
+  const at::Tensor rows = logits.contiguous();
+  const int64_t N = rows.numel() / V;
+  at::Tensor out = at::empty({N}, logits.options().dtype(at::kLong));
+  if (rows.scalar_type() == at::kFloat) {
+    greedy_rows(rows.data_ptr<float>(), N, V, out.data_ptr<int64_t>());
+  } else {
+    greedy_rows(reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>()), N, V, out.data_ptr<int64_t>());
+  }
+  return out.view(logits.sizes().slice(0, logits.dim() - 1));
+}
+
 }  // namespace vlmspec_cpu
 
 TORCH_LIBRARY_FRAGMENT(vlmspec, m) {
@@ -478,9 +528,11 @@ TORCH_LIBRARY_FRAGMENT(vlmspec, m) {
   m.def(
       "rejection_sample(Tensor target_probs, Tensor? draft_probs, Tensor tokens, Tensor num_tokens, "
       "Tensor uniforms) -> (Tensor, Tensor)");
+  m.def("greedy_ids(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vlmspec, CPU, m) {
   m.impl("sampling_warp", vlmspec_cpu::sampling_warp);
   m.impl("rejection_sample", vlmspec_cpu::rejection_sample);
+  m.impl("greedy_ids", vlmspec_cpu::greedy_ids);
 }
