@@ -34,6 +34,7 @@ with another scheduler, labels beyond the verified length stay unknown (see
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -316,8 +317,11 @@ class Calibration:
                 f"confidences have {width} positions but the calibration covers {self.gamma}; "
                 "refit it (fit_sts) on rounds drafted with the current block size"
             )
-        temperatures = torch.tensor(self.temperatures[:width], dtype=torch.float64)
-        return temperature_scale(confidences.to(torch.float64), temperatures).to(confidences.dtype)
+        return temperature_scale(confidences.to(torch.float64), self._temperatures[:width]).to(confidences.dtype)
+
+    @functools.cached_property
+    def _temperatures(self) -> torch.Tensor:  # [gamma] float64, built once: apply runs every round
+        return torch.tensor(self.temperatures, dtype=torch.float64)
 
     def save(self, directory: str | Path) -> Path:
         """Write ``calibration.json`` into ``directory`` (the drafter's directory); returns its path."""

@@ -599,27 +599,36 @@ class BatchEngine:
         drafts: the proposer's block for exactly these requests ([len(rows), gamma]), made in ``draft_s`` seconds.
         """
         requests = [self._running[row].request for row in rows]
-        index = torch.tensor(rows, dtype=torch.long)  # [R'] rows taking part
+        lengths = self._batch.lengths.tolist()  # [R] committed tokens per row
         tick = time.perf_counter()
-        room = [context_room(self.target, int(length)) for length in self._batch.lengths[index]]
-        plan = self.decoder.plan(requests, drafts, room)
+        plan = self.decoder.plan(requests, drafts, [context_room(self.target, lengths[row]) for row in rows])
         tock = time.perf_counter()
 
-        width = plan.input_ids.shape[1]
-        tokens = torch.zeros(self._batch.num_rows, width, dtype=torch.long)  # [R, 1 + w]
-        num_tokens = torch.zeros(self._batch.num_rows, dtype=torch.long)  # [R]
-        tokens[index], num_tokens[index] = plan.input_ids, plan.num_inputs
+        # Every row of the batch in order (batch 1, and most steps): the plan's tensors are the step's own, no
+        # scatter or gather (a gather of the logits copies [R, 1 + w, V] float32 every step).
+        everyone = rows == list(range(len(lengths)))
+        index = None if everyone else torch.tensor(rows, dtype=torch.long)  # [R'] rows taking part
+        tokens, num_tokens = plan.input_ids, plan.num_inputs  # [R', 1 + w], [R']
+        if index is not None:
+            tokens = torch.zeros(len(lengths), tokens.shape[1], dtype=torch.long)  # [R, 1 + w]
+            num_tokens = torch.zeros(len(lengths), dtype=torch.long)  # [R]
+            tokens[index], num_tokens[index] = plan.input_ids, plan.num_inputs
         step = self._batch.verify(tokens, num_tokens)
-        real = torch.arange(width) < plan.num_inputs[:, None]  # [R', 1 + w]
-        if not torch.equal(step.positions[index][real], plan.positions[real]):
+        # Both count positions on from the anchor, one by one: the anchors' must agree.
+        target_anchors = step.positions[:, 0].tolist()
+        if [target_anchors[row] for row in rows] != plan.positions[:, 0].tolist():
             raise RuntimeError(
                 "internal invariant broken: the target's positions of the verified tokens differ from the "
                 "drafter's 1-D positions (the step API's plan); please report this with the request"
             )
-        features = None if step.features is None else step.features[index.to(step.features.device)]
-        result = self.decoder.verify(requests, plan, step.logits[index.to(step.logits.device)], features)
-        keep = torch.zeros(self._batch.num_rows, dtype=torch.long)
-        keep[index] = result.num_accepted + 1  # the anchor and the accepted drafts stay in the KV cache
+        logits, features = step.logits, step.features  # [R, 1 + w, V], [R, 1 + w, m * d] or None
+        if index is not None:
+            logits = logits[index.to(logits.device)]
+            features = None if features is None else features[index.to(features.device)]
+        result = self.decoder.verify(requests, plan, logits, features)
+        keep = result.num_accepted + 1  # [R'] the anchor and the accepted drafts stay in the KV cache
+        if index is not None:
+            keep = torch.zeros(len(lengths), dtype=torch.long).index_copy_(0, index, keep)
         self._batch.advance(keep)  # validates, then sets every row's length: all at once or not at all
         return _Verified(rows, plan, result, features, draft_s + tock - tick, time.perf_counter() - tock)
 

@@ -326,26 +326,28 @@ class SpecDecoder:
         are known before any draft is sampled, so the cut keeps scheduling causal.
         """
         _check_running(requests)
-        limit = torch.tensor([max(r.remaining - 1, 0) for r in requests], dtype=torch.long)  # [R]
+        # Python ints: a few per request, where tensor ops would each cost a dispatch on every round.
+        limit = [max(r.remaining - 1, 0) for r in requests]  # [R]
         if room is not None:
-            room = torch.as_tensor(room, dtype=torch.long).cpu()
-            if room.shape != limit.shape:
-                raise ValueError(
-                    f"room must hold one count per request ([{len(requests)}]), got shape {tuple(room.shape)}"
-                )
-            limit = torch.minimum(limit, room.clamp(min=0))
-        drafted = drafts.num_tokens.cpu()
-        schedulable = torch.minimum(drafted, limit)  # [R]
+            room = torch.as_tensor(room, dtype=torch.long).tolist()
+            if not isinstance(room, list) or len(room) != len(limit):
+                raise ValueError(f"room must hold one count per request ([{len(requests)}]), got {room}")
+            limit = [min(most, max(fits, 0)) for most, fits in zip(limit, room)]
+        schedulable = [min(n, most) for n, most in zip(drafts.num_tokens.tolist(), limit)]  # [R]
         if drafts.gamma == 0:  # nothing drafted (the target alone): nothing to schedule
             lengths = schedulable
         else:
             device = drafts.num_tokens.device
-            lengths = torch.as_tensor(self.scheduler.schedule(drafts.confidences, schedulable.to(device))).cpu()
-        if lengths.shape != schedulable.shape or bool(((lengths < 0) | (lengths > schedulable)).any()):
+            scheduled = self.scheduler.schedule(drafts.confidences, torch.tensor(schedulable, device=device))
+            lengths = torch.as_tensor(scheduled).tolist()
+        if not isinstance(lengths, list) or len(lengths) != len(schedulable) or any(
+            not isinstance(n, int) or not 0 <= n <= most for n, most in zip(lengths, schedulable)
+        ):
             raise ValueError(
-                f"{type(self.scheduler).__name__}.schedule returned {lengths.tolist()} for drafted counts "
-                f"{schedulable.tolist()}; a scheduler returns [R] lengths with 0 <= length <= drafted"
+                f"{type(self.scheduler).__name__}.schedule returned {lengths} for drafted counts "
+                f"{schedulable}; a scheduler returns [R] lengths with 0 <= length <= drafted"
             )
+        lengths = torch.tensor(lengths, dtype=torch.long)  # [R]
         block = drafts.truncated(lengths)
         anchors = torch.tensor([r.update.anchor for r in requests], dtype=torch.long)  # [R]
         anchor_positions = torch.tensor([r.update.anchor_position for r in requests], dtype=torch.long)  # [R]

@@ -181,6 +181,7 @@ class PackedDecoder:
         # M-RoPE (prefills with images): the position component that turns each frequency, in the family's layout
         sections = list(text.rotary_emb.mrope_section)
         self.rope_components = rope_components(self.spec, sections, self.inv_freq.shape[0]).to(self.inv_freq.device)
+        self._rotary_tables: dict[torch.dtype, torch.Tensor] = {}  # dtype -> [2, P, 1, hd] (see _rotary_table)
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -302,11 +303,32 @@ class PackedDecoder:
         half is negated once here, so that :func:`_rotate` needs no negation per layer:
         ``(-x2) * s == -(x2 * s)`` exactly, in any dtype.
         """
-        positions = positions.to(self.inv_freq.device).float()
-        if positions.dim() == 2:  # [3, B]: each frequency takes its own component's position
-            freqs = positions.T[:, self.rope_components] * self.inv_freq[None]  # [B, hd / 2]
-        else:
-            freqs = positions[:, None] * self.inv_freq[None]  # [B, hd / 2]
+        positions = positions.to(self.inv_freq.device)
+        if positions.dim() == 2:  # [3, B] M-RoPE: each frequency takes its own component's position
+            return self._rotary_values(positions.float().T[:, self.rope_components] * self.inv_freq[None], dtype)
+        lowest, highest = positions.aminmax() if positions.numel() else (positions.new_zeros(()),) * 2
+        if int(lowest) < 0:  # not a table row
+            return self._rotary_values(positions.float()[:, None] * self.inv_freq[None], dtype)
+        cos, signed_sin = self._rotary_table(int(highest) + 1, dtype)[:, positions].unbind(0)  # text: one lookup
+        return cos, signed_sin
+
+    def _rotary_table(self, size: int, dtype: torch.dtype) -> torch.Tensor:  # -> [2, P >= size, 1, hd]
+        """cos and signed sin of 1-D positions 0 .. P - 1, grown (doubling) to hold ``size`` positions.
+
+        Each entry is the elementwise arithmetic of :meth:`_rotary_values` on its position alone,
+        so a lookup gives what computing it in the step gives.
+        """
+        table = self._rotary_tables.get(dtype)
+        if table is None or table.shape[1] < size:
+            grown = max(size, 2 * (0 if table is None else table.shape[1]), 256)
+            positions = torch.arange(grown, device=self.inv_freq.device).float()
+            table = torch.stack(self._rotary_values(positions[:, None] * self.inv_freq[None], dtype))
+            self._rotary_tables[dtype] = table
+        return table
+
+    @staticmethod
+    def _rotary_values(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [B, 1, hd] in ``dtype`` of the angles ``freqs`` [B, hd / 2] (float32)."""
         angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, hd]
         sin = angles.sin().to(dtype)
         half = sin.shape[-1] // 2

@@ -93,6 +93,11 @@ class _Layout:
     committed: torch.Tensor  # [R] int64 each row's committed length before this forward
     device: torch.device  # where the attention runs
 
+    @property
+    def dense(self) -> bool:
+        """Whether every row runs all W inputs (B = R * W): then packed token b is padded slot b."""
+        return self.rows.shape[0] == self.num_rows * self.width
+
     @functools.cached_property
     def mask(self) -> torch.Tensor:  # [R, 1, W, S] bool, True where query (r, i) may attend slot j
         """SDPA's mask, built on first use: the native step's attention reads rows and slots instead."""
@@ -191,7 +196,7 @@ class RaggedBatch:
         row = self.num_rows
         self._open_rows(1)  # its content is not known here: its blocks are never cached
         try:
-            self._reserve_slots(torch.tensor([state.length]), first=row)
+            self._reserve_slots([state.length], first=row)
         except Exception:
             self._close_rows(row)
             raise
@@ -289,7 +294,7 @@ class RaggedBatch:
             return RaggedStep(torch.zeros(self.num_rows, width, self.target.vocab_size), None, positions)
         self._pending_tokens = tokens.cpu() if self.pool.prefix is not None else None
         packed_logits, packed_features = self._forward(tokens, positions, num_tokens, layout)
-        if layout.rows.shape[0] < self.num_rows * width:  # some rows verify fewer tokens: pad them
+        if not layout.dense:  # some rows verify fewer tokens: pad them
             gather = _padding_gather(layout, self.target.device)  # [R * W] packed index of each padded slot
             packed_logits = packed_logits[gather]
             packed_features = None if packed_features is None else packed_features[gather]
@@ -359,7 +364,7 @@ class RaggedBatch:
             self.lengths[row] = len(hits) * size
             starts.append(len(hits) * size)
         try:  # every block the prompts need, now: their pieces never meet a full pool
-            self._reserve_slots(torch.tensor([p.length for p in prompts]), first=first)
+            self._reserve_slots([p.length for p in prompts], first=first)
         except Exception:
             self._close_rows(first)
             raise
@@ -417,7 +422,8 @@ class RaggedBatch:
         keep = torch.as_tensor(keep, dtype=torch.long).cpu()
         if self._pending is None:
             raise RuntimeError("advance() needs a verify() first (and no rows added or removed in between)")
-        if keep.shape != self._pending.shape or bool(((keep < 0) | (keep > self._pending)).any()):
+        counts, pending = keep.tolist() if keep.dim() == 1 else None, self._pending.tolist()
+        if counts is None or len(counts) != len(pending) or not all(0 <= k <= n for k, n in zip(counts, pending)):
             raise ValueError(
                 f"keep must be [R] with 0 <= keep[r] <= num_tokens[r] = {self._pending.tolist()}, got {keep.tolist()}"
             )
@@ -437,8 +443,11 @@ class RaggedBatch:
         Images: packed M-RoPE ``mrope`` [3, B] replaces ``positions``; ``vision`` is indexed in packed order.
         """
         device = self.target.device
-        packed_ids = tokens.cpu()[layout.rows, layout.offsets].to(device)  # [B]
-        packed_positions = positions[layout.rows, layout.offsets].to(device)  # [B], all three M-RoPE components
+        if layout.dense:  # every row runs all W inputs: packed order is the rows' own
+            packed_ids, packed_positions = tokens.reshape(-1).to(device), positions.reshape(-1).to(device)  # [B]
+        else:
+            packed_ids = tokens.cpu()[layout.rows, layout.offsets].to(device)  # [B]
+            packed_positions = positions[layout.rows, layout.offsets].to(device)  # [B], all three M-RoPE components
         if mrope is not None:
             packed_positions = mrope.to(device)  # [3, B]
         forward = self._fast_forward if self.target.decode == "fast" else self._reference_forward
@@ -499,36 +508,53 @@ class RaggedBatch:
                 f"{tuple(tokens.shape)} {tokens.dtype}"
             )
         num_tokens = torch.as_tensor(num_tokens, dtype=torch.long).cpu()
-        if num_tokens.shape != (self.num_rows,) or bool(((num_tokens < 0) | (num_tokens > tokens.shape[1])).any()):
+        counts = num_tokens.tolist() if num_tokens.dim() == 1 else None
+        if counts is None or len(counts) != self.num_rows or not all(0 <= n <= tokens.shape[1] for n in counts):
             raise ValueError(
                 f"num_tokens must be [R] = [{self.num_rows}] counts in 0..{tokens.shape[1]}, got {num_tokens.tolist()}"
             )
-        too_long = self.lengths + num_tokens > self.target.max_context
-        if bool(too_long.any()):
-            rows = torch.nonzero(too_long).flatten().tolist()
-            raise ValueError(f"rows {rows} would pass the model's context length ({self.target.max_context} tokens)")
+        limit = self.target.max_context
+        rows = [row for row, (length, n) in enumerate(zip(self.lengths.tolist(), counts)) if length + n > limit]
+        if rows:
+            raise ValueError(f"rows {rows} would pass the model's context length ({limit} tokens)")
         return num_tokens
 
     def _layout(self, num_tokens: torch.Tensor, width: int) -> _Layout:  # num_tokens: [R] int64 (CPU)
-        """Where the packed tokens go; first gives every row the blocks its new tokens need."""
-        self._reserve_slots(self.lengths + num_tokens)
-        rows = torch.repeat_interleave(torch.arange(self.num_rows), num_tokens)  # [B]
-        starts = torch.cumsum(num_tokens, 0) - num_tokens  # [R] packed index of each row's first token
-        offsets = torch.arange(rows.shape[0]) - starts[rows]  # [B] i within the row
-        slots = self.lengths[rows] + offsets  # [B]
-        tables = self._tables[: self.num_rows]  # [R, M_cap] contiguous: the kernel reads it in place
+        """Where the packed tokens go; first gives every row the blocks its new tokens need.
+
+        Built from Python ints and turned into tensors in one call: a decode step packs a few
+        tokens, where a dozen tensor ops would cost more than the arithmetic.
+        """
+        counts, lengths = num_tokens.tolist(), self.lengths.tolist()
+        ends = [length + n for length, n in zip(lengths, counts)]
+        self._reserve_slots(ends)
         size = self.pool.block_size
+        rows = [row for row, n in enumerate(counts) for _ in range(n)]  # [B] row of each packed token
+        offsets = [i for n in counts for i in range(n)]  # [B] i within the row
+        slots = [lengths[row] + i for row, i in zip(rows, offsets)]  # [B]
+        columns = torch.tensor(
+            [
+                rows,
+                offsets,
+                slots,
+                [self._blocks[row][slot // size] for row, slot in zip(rows, slots)],
+                [slot % size for slot in slots],
+                [row * width + i for row, i in zip(rows, offsets)],
+            ],
+            dtype=torch.long,
+        ).view(6, len(rows))  # [6, B] (view: an empty step has B = 0)
+        rows_t, offsets_t, slots_t, blocks, block_offsets, padded = columns.unbind(0)
         return _Layout(
-            rows=rows,
-            offsets=offsets,
-            slots=slots,
-            tables=tables,
-            blocks=tables[rows, slots // size],
-            block_offsets=slots % size,
-            padded=rows * width + offsets,
+            rows=rows_t,
+            offsets=offsets_t,
+            slots=slots_t,
+            tables=self._tables[: self.num_rows],  # [R, M_cap] contiguous: the kernel reads it in place
+            blocks=blocks,
+            block_offsets=block_offsets,
+            padded=padded,
             num_rows=self.num_rows,
             width=width,
-            keys=int((self.lengths + num_tokens).max()) if self.num_rows else 0,
+            keys=max(ends, default=0),
             committed=self.lengths,
             device=self.target.device,
         )
@@ -550,10 +576,10 @@ class RaggedBatch:
         del self._contents[first:]
         self.lengths, self.rope_deltas = self.lengths[:first], self.rope_deltas[:first]
 
-    def _reserve_slots(self, slots: torch.Tensor, first: int = 0) -> None:  # slots: [R - first] int64
+    def _reserve_slots(self, slots: Sequence[int], first: int = 0) -> None:  # slots: [R - first]
         """Give rows ``first ..`` the blocks that hold ``slots[r]`` slots each (rows keep the blocks they have)."""
         size = self.pool.block_size
-        needed = [-(-int(n) // size) - len(self._blocks[first + i]) for i, n in enumerate(slots.tolist())]
+        needed = [-(-int(n) // size) - len(self._blocks[first + i]) for i, n in enumerate(slots)]
         total = sum(max(0, n) for n in needed)
         if total == 0:
             return
