@@ -347,16 +347,17 @@ class SpecDecoder:
                 f"{type(self.scheduler).__name__}.schedule returned {lengths} for drafted counts "
                 f"{schedulable}; a scheduler returns [R] lengths with 0 <= length <= drafted"
             )
-        lengths = torch.tensor(lengths, dtype=torch.long)  # [R]
-        block = drafts.truncated(lengths)
-        anchors = torch.tensor([r.update.anchor for r in requests], dtype=torch.long)  # [R]
-        anchor_positions = torch.tensor([r.update.anchor_position for r in requests], dtype=torch.long)  # [R]
+        block = drafts.truncated(torch.tensor(lengths, dtype=torch.long, device=drafts.num_tokens.device))
+        width = 1 + block.gamma
+        drafted_ids = block.tokens.tolist()  # [R][w]
         return VerifyPlan(
             drafts=drafts,
             block=block,
-            input_ids=torch.cat((anchors[:, None], block.tokens.cpu()), dim=1),
-            num_inputs=1 + block.num_tokens.cpu(),
-            positions=anchor_positions[:, None] + torch.arange(1 + block.gamma),
+            input_ids=torch.tensor([[r.update.anchor, *ids] for r, ids in zip(requests, drafted_ids)]).view(-1, width),
+            num_inputs=torch.tensor([1 + n for n in lengths], dtype=torch.long),
+            positions=torch.tensor([[r.update.anchor_position + i for i in range(width)] for r in requests]).view(
+                -1, width
+            ),
         )
 
     def accept(
