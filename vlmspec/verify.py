@@ -105,11 +105,19 @@ def verify_greedy(
     ``num_tokens[r]`` (bonus). Ties in the argmax go to the lowest index, as ``torch.argmax``.
     """
     tokens, num_tokens = _check_block(block, target_logits, "target_logits")
-    target_argmax = sampling.greedy_ids(target_logits)  # [B, gamma + 1]
-    matches = tokens == target_argmax[:, : block.gamma]  # [B, gamma]
-    num_accepted = _count_leading_true(matches & _real_slots(num_tokens, block.gamma))  # [B]
-    next_tokens = target_argmax.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # [B]
-    return VerifyResult(num_accepted=num_accepted, next_tokens=next_tokens)
+    # The walk in Python ints: a few ids a request, where each tensor op costs a dispatch every round.
+    accepted, following = [], []
+    for drafts, real, best in zip(tokens.tolist(), num_tokens.tolist(), sampling.greedy_ids(target_logits).tolist()):
+        count = 0
+        while count < real and drafts[count] == best[count]:
+            count += 1
+        accepted.append(count)
+        following.append(best[count])
+    device = target_logits.device
+    return VerifyResult(
+        num_accepted=torch.tensor(accepted, dtype=torch.long, device=device),  # [B]
+        next_tokens=torch.tensor(following, dtype=torch.long, device=device),  # [B]
+    )
 
 
 def verify_rejection(

@@ -415,16 +415,19 @@ class SpecDecoder:
         A failure in one request's commit ends only that request (finish_reason "error").
         """
         num_accepted, next_tokens = verified.num_accepted.cpu(), verified.next_tokens.cpu()
+        rounds = _PlanRows(plan)
         records = [
-            self._commit(request, plan, row, int(num_accepted[row]), int(next_tokens[row]), features)
-            for row, request in enumerate(requests)
+            self._commit(request, rounds, row, accepted, next_token, features)
+            for row, (request, accepted, next_token) in enumerate(
+                zip(requests, num_accepted.tolist(), next_tokens.tolist(), strict=True)
+            )
         ]
         return Acceptance(num_accepted, next_tokens, keep=num_accepted + 1, records=records)
 
     def _commit(
         self,
         request: SpecRequest,
-        plan: VerifyPlan,
+        plan: _PlanRows,
         row: int,
         accepted: int,
         next_token: int,
@@ -434,27 +437,40 @@ class SpecDecoder:
         drafted = verified = 0
         source, confidences, committed = None, None, []
         try:
-            drafted, verified = int(plan.drafts.num_tokens[row]), int(plan.block.num_tokens[row])
-            source = None if plan.drafts.sources is None else plan.drafts.sources[row]
+            drafted, verified = plan.drafted[row], plan.verified[row]
+            source = None if plan.sources is None else plan.sources[row]
             request.stats.record_round(drafted=drafted, verified=verified, accepted=accepted)
             if source is not None:
                 request.stats.rounds_by_source[source] = request.stats.rounds_by_source.get(source, 0) + 1
-            committed = request.commit(plan.input_ids[row, 1 : accepted + 1].tolist() + [next_token])
+            inputs, positions = plan.input_ids[row], plan.positions[row]
+            committed = request.commit(inputs[1 : accepted + 1] + [next_token])
             kept = slice(0, accepted + 1)  # the anchor and the accepted drafts now have target features
             update = ContextUpdate(
-                token_ids=plan.input_ids[row, kept].clone(),
-                positions=plan.positions[row, kept].clone(),
+                token_ids=torch.tensor(inputs[kept], dtype=torch.long),
+                positions=torch.tensor(positions[kept], dtype=torch.long),
                 features=None if features is None else features[row, kept],
                 anchor=committed[-1],
-                anchor_position=int(plan.positions[row, accepted]) + 1,
+                anchor_position=positions[accepted] + 1,
             )
             if not request.update_proposed and request.options.speculative:  # skipped: keep the span for the proposer
                 request.skipped_updates.append(request.update)
             request.update, request.update_proposed = update, False
-            confidences = _row_confidences(plan.drafts.confidences, row)
+            confidences = _row_confidences(plan.confidences, row)
         except Exception as err:  # noqa: BLE001 - isolated to this request, reported on it
             request.finish("error", err)
         return RoundRecord(drafted, verified, accepted, confidences, committed, source)
+
+
+class _PlanRows:
+    """A plan's per-request numbers as Python ints, read once for the whole commit (not tensor by tensor)."""
+
+    def __init__(self, plan: VerifyPlan) -> None:
+        self.drafted: list[int] = plan.drafts.num_tokens.tolist()  # [R]
+        self.verified: list[int] = plan.block.num_tokens.tolist()  # [R]
+        self.input_ids: list[list[int]] = plan.input_ids.tolist()  # [R][1 + w]
+        self.positions: list[list[int]] = plan.positions.tolist()  # [R][1 + w]
+        self.sources = plan.drafts.sources
+        self.confidences = plan.drafts.confidences  # [R, gamma] or None
 
 
 def _check_running(requests: Sequence[SpecRequest]) -> None:

@@ -287,7 +287,9 @@ class RaggedBatch:
         """
         num_tokens = self._check_inputs(tokens, num_tokens)
         width = tokens.shape[1]
-        positions = self.lengths[:, None] + torch.arange(width) + self.rope_deltas[:, None]  # [R, W]
+        starts = [length + delta for length, delta in zip(self.lengths.tolist(), self.rope_deltas.tolist())]
+        positions = torch.tensor([[start + i for i in range(width)] for start in starts], dtype=torch.long)
+        positions = positions.view(self.num_rows, width)  # [R, W] (view: a batch without rows)
         layout = self._layout(num_tokens, width)
         if layout.rows.numel() == 0:  # nothing to run: every row sits this step out
             self._pending, self._pending_tokens = num_tokens, None
