@@ -340,8 +340,10 @@ class SpecDecoder:
             device = drafts.num_tokens.device
             scheduled = self.scheduler.schedule(drafts.confidences, torch.tensor(schedulable, device=device))
             lengths = torch.as_tensor(scheduled).tolist()
-        if not isinstance(lengths, list) or len(lengths) != len(schedulable) or any(
-            not isinstance(n, int) or not 0 <= n <= most for n, most in zip(lengths, schedulable)
+        if (
+            not isinstance(lengths, list)
+            or len(lengths) != len(schedulable)
+            or any(not isinstance(n, int) or not 0 <= n <= most for n, most in zip(lengths, schedulable))
         ):
             raise ValueError(
                 f"{type(self.scheduler).__name__}.schedule returned {lengths} for drafted counts "
