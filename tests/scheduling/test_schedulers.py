@@ -184,6 +184,32 @@ def test_single_request_prefix_equals_sps_argmax() -> None:
         )
 
 
+def sps_argmax_reference(confidences: torch.Tensor, drafted: torch.Tensor, table: SPSTable) -> list[int]:
+    """The SPS argmax walk over whole arrays: Theta(l) for every l, then the length of the leading rises."""
+    conf, real = confidences.double().numpy(), np.arange(confidences.shape[1])[None, :] < drafted.numpy()[:, None]
+    expected = 1 + np.concatenate([np.zeros((len(conf), 1)), np.cumprod(np.where(real, conf, 0.0), 1).cumsum(1)], 1)
+    theta = expected * table.steps_per_second(np.arange(1, conf.shape[1] + 2))  # [R, gamma + 1]; NaN off-table
+    theta[np.arange(conf.shape[1] + 1)[None, :] > drafted.numpy()[:, None]] = np.nan
+    return np.cumprod(theta[:, 1:] > theta[:, :-1], axis=1).sum(axis=1).tolist()
+
+
+def test_sps_argmax_walk_equals_the_array_form_on_any_curve() -> None:
+    """Curves with second rises, tables shorter than the block, ties: the walk stops where the array form does."""
+    generator = torch.Generator().manual_seed(7)
+    for trial in range(200):
+        num_requests, gamma = int(torch.randint(1, 5, (1,), generator=generator)), 7
+        confidences, drafted = random_round(generator, num_requests, gamma)
+        max_tokens = int(torch.randint(1, 10, (1,), generator=generator))
+        steps = (0.3 + torch.rand(max_tokens, generator=generator)).tolist()  # any shape, not unimodal
+        if trial % 5 == 0:  # a flat curve and a draft that cannot survive: Theta(3) = Theta(2), a tie, not a rise
+            confidences[:, 2], steps = 0.0, [1.0] * max_tokens
+        curve = SPSTable(tuple(range(1, max_tokens + 1)), tuple(steps), META)
+        table = curve if trial % 3 else sps_preset("cpu", max_tokens=8)
+        assert SPSArgmaxScheduler(table).schedule(confidences, drafted).tolist() == sps_argmax_reference(
+            confidences, drafted, table
+        )
+
+
 def test_sps_argmax_schedules_rows_independently() -> None:
     table = sps_preset("cpu", max_tokens=8)
     confidences = torch.tensor([[0.95] * 7, [0.05] * 7, [0.9, 0.9, 0.05, 0.9, 0.9, 0.9, 0.9]])

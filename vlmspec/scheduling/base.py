@@ -48,30 +48,16 @@ class VerifyAll:
         return num_drafted.clone()
 
 
-def check_num_drafted(num_drafted: torch.Tensor) -> np.ndarray:
-    """Validate ``num_drafted`` ([R] integer tensor, >= 0); return it as a [R] int64 numpy array."""
-    if not isinstance(num_drafted, torch.Tensor) or num_drafted.dim() != 1:
-        raise ValueError(
-            f"num_drafted must be a 1-D tensor [R] of drafted-token counts, got "
-            f"{type(num_drafted).__name__} {tuple(getattr(num_drafted, 'shape', ()))}; pass DraftBlock.num_tokens"
-        )
-    if num_drafted.dtype.is_floating_point or num_drafted.dtype == torch.bool:
-        raise ValueError(f"num_drafted must hold integers, got dtype {num_drafted.dtype}; pass DraftBlock.num_tokens")
-    drafted = num_drafted.detach().cpu().numpy().astype(np.int64)  # [R]
-    if (drafted < 0).any():
-        raise ValueError(f"num_drafted must be >= 0, got {drafted.tolist()}")
-    return drafted
-
-
-def check_confidences(
+def checked_rows(
     confidences: torch.Tensor | None, num_drafted: torch.Tensor, scheduler: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """Validate a scheduler's inputs; return ``(confidences [R, gamma] float64, num_drafted [R] int64)`` as numpy.
+) -> tuple[list[list[float]], list[int]]:
+    """Validate a scheduler's inputs; return them as Python lists: ``(confidences [R][gamma], num_drafted [R])``.
 
     ``scheduler`` names the caller in the messages. A missing confidence head (``None``)
-    is refused with a message that points at :class:`VerifyAll`. (Schedulers run on every
-    round's critical path with tiny inputs, so they compute in numpy: microseconds, where
-    the same dozen torch calls cost a millisecond on a loaded CPU.)
+    is refused with a message that points at :class:`VerifyAll`. Schedulers run on every
+    round's critical path with a few dozen numbers, so the single-request ones walk Python
+    lists: two ``tolist`` calls, where each numpy or torch call costs 10-60 us in the engine
+    (its caches are cold after the target's weights stream through them; docs/design.md §21.5).
     """
     if confidences is None:
         raise ValueError(
@@ -79,28 +65,56 @@ def check_confidences(
             "(DraftBlock.confidences is None). Use VerifyAll (the default scheduler, verify every "
             "drafted token) or a drafter with a confidence head."
         )
-    drafted = check_num_drafted(num_drafted)
+    drafted = _checked_num_drafted(num_drafted)
     if not isinstance(confidences, torch.Tensor) or confidences.dim() != 2:
         raise ValueError(
             f"confidences must be a 2-D tensor [R, gamma], got {type(confidences).__name__} "
             f"{tuple(getattr(confidences, 'shape', ()))}"
         )
-    if confidences.shape[0] != drafted.shape[0]:
+    if confidences.shape[0] != len(drafted):
         raise ValueError(
-            f"confidences has {confidences.shape[0]} rows but num_drafted has {drafted.shape[0]}; "
+            f"confidences has {confidences.shape[0]} rows but num_drafted has {len(drafted)}; "
             "both must describe the same R requests"
         )
     gamma = confidences.shape[1]
-    if (drafted > gamma).any():
-        raise ValueError(f"num_drafted {drafted.tolist()} exceeds the block size gamma={gamma} of confidences")
-    conf = confidences.detach().cpu().numpy().astype(np.float64)  # [R, gamma]
-    values = conf[positions_mask(drafted, gamma)]
-    if not np.all((values >= 0) & (values <= 1)):  # also refuses NaN
+    if any(n > gamma for n in drafted):
+        raise ValueError(f"num_drafted {drafted} exceeds the block size gamma={gamma} of confidences")
+    rows = confidences.tolist()  # [R][gamma] Python floats: float32 values exactly, as float64
+    if not all(0.0 <= c <= 1.0 for row, n in zip(rows, drafted) for c in row[:n]):  # also refuses NaN
         raise ValueError(
             "confidences must be probabilities in [0, 1] at every drafted position; got values outside "
             "that range (pass the confidence head's sigmoid output, not its logits)"
         )
-    return conf, drafted
+    return rows, drafted
+
+
+def _checked_num_drafted(num_drafted: torch.Tensor) -> list[int]:
+    """Validate ``num_drafted`` ([R] integer tensor, >= 0); return it as a list of R ints."""
+    if not isinstance(num_drafted, torch.Tensor) or num_drafted.dim() != 1:
+        raise ValueError(
+            f"num_drafted must be a 1-D tensor [R] of drafted-token counts, got "
+            f"{type(num_drafted).__name__} {tuple(getattr(num_drafted, 'shape', ()))}; pass DraftBlock.num_tokens"
+        )
+    if num_drafted.dtype.is_floating_point or num_drafted.dtype == torch.bool:
+        raise ValueError(f"num_drafted must hold integers, got dtype {num_drafted.dtype}; pass DraftBlock.num_tokens")
+    drafted = num_drafted.tolist()  # [R]
+    if any(n < 0 for n in drafted):
+        raise ValueError(f"num_drafted must be >= 0, got {drafted}")
+    return drafted
+
+
+def check_confidences(
+    confidences: torch.Tensor | None, num_drafted: torch.Tensor, scheduler: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`checked_rows` as numpy, for the batch schedulers: ``(confidences [R, gamma] float64, num_drafted [R] int64)``."""
+    rows, drafted = checked_rows(confidences, num_drafted, scheduler)
+    conf = np.array(rows, dtype=np.float64).reshape(len(rows), confidences.shape[1])  # [R, gamma]
+    return conf, np.array(drafted, dtype=np.int64)
+
+
+def lengths_tensor(lengths: list[int], like: torch.Tensor) -> torch.Tensor:
+    """[R] scheduled lengths (Python ints) as an int64 tensor on ``like``'s device (the scheduler's return value)."""
+    return torch.tensor(lengths, dtype=torch.long, device=like.device)
 
 
 def positions_mask(num_drafted: np.ndarray, gamma: int) -> np.ndarray:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
 import torch
 
-from vlmspec.scheduling.base import as_lengths, check_confidences, prefix_survival
+from vlmspec.scheduling.base import checked_rows, lengths_tensor
 from vlmspec.scheduling.prefix import check_sps_table, require_anchors_fit
 from vlmspec.scheduling.tables import BatchSPSTable, SPSTable
 
@@ -29,18 +32,31 @@ class SPSArgmaxScheduler:
         require_anchors_fit(1, self.sps_table)
 
     def schedule(self, confidences: torch.Tensor | None, num_drafted: torch.Tensor) -> torch.Tensor:
-        conf, drafted = check_confidences(confidences, num_drafted, type(self).__name__)  # [R, gamma], [R]
-        gamma = conf.shape[1]
-        survival = prefix_survival(conf, drafted)  # [R, gamma]
-        expected_tokens = 1 + np.concatenate(
-            [np.zeros((len(drafted), 1)), survival.cumsum(1)], axis=1
-        )  # [R, gamma + 1]
-        theta = expected_tokens * self.sps_table.steps_per_second(
-            np.arange(1, gamma + 2)
-        )  # [R, gamma + 1]; NaN off-table
-        theta[np.arange(gamma + 1)[None, :] > drafted[:, None]] = np.nan  # never beyond the drafts
-        rises = theta[:, 1:] > theta[:, :-1]  # [R, gamma]; NaN is a drop
-        return as_lengths(np.cumprod(rises, axis=1).sum(axis=1), num_drafted)  # [R]
+        rows, drafted = checked_rows(confidences, num_drafted, type(self).__name__)  # [R][gamma], [R]
+        return lengths_tensor([self._length(row, n) for row, n in zip(rows, drafted)], num_drafted)  # [R]
+
+    def _length(self, confidences: list[float], drafted: int) -> int:
+        """The walk for one request: ``Theta(l) = (1 + a_1 + ... + a_l) * SPS(1 + l)``, ``a_k = c_1 ... c_k``."""
+        sps = self._sps  # sps[n - 1] = SPS(n) for n = 1 .. the table's largest count
+        survival, expected = 1.0, 0.0  # a_l; a_1 + ... + a_l
+        best = sps[0]  # Theta(0): the anchor alone
+        length = 0
+        while length < min(drafted, len(sps) - 1):  # never beyond the drafts or the table
+            survival *= confidences[length]
+            theta = (1.0 + (expected + survival)) * sps[length + 1]  # the order of numpy's 1 + cumsum
+            if not theta > best:  # the first drop (NaN off-table counts as one) ends the walk
+                break
+            best, expected, length = theta, expected + survival, length + 1
+        return length
+
+    @functools.cached_property
+    def _sps(self) -> list[float]:
+        """SPS(n) for n = 1, 2, ... up to the first count the table does not cover (NaN: not feasible)."""
+        values = self.sps_table.steps_per_second(np.arange(1, self.sps_table.max_tokens + 1)).tolist()
+        for n, value in enumerate(values):
+            if math.isnan(value):
+                return values[:n]
+        return values
 
     def __repr__(self) -> str:
         return f"SPSArgmaxScheduler(sps_table={self.sps_table.meta.model!r})"

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from vlmspec.scheduling.base import as_lengths, check_confidences, positions_mask
+from vlmspec.scheduling.base import checked_rows, lengths_tensor
 
 
 class ThresholdScheduler:
@@ -22,9 +21,15 @@ class ThresholdScheduler:
         self.threshold = float(threshold)
 
     def schedule(self, confidences: torch.Tensor | None, num_drafted: torch.Tensor) -> torch.Tensor:
-        conf, drafted = check_confidences(confidences, num_drafted, type(self).__name__)  # [R, gamma], [R]
-        passes = (conf >= self.threshold) & positions_mask(drafted, conf.shape[1])  # [R, gamma]
-        return as_lengths(np.cumprod(passes, axis=1).sum(axis=1), num_drafted)  # [R] leading passes
+        rows, drafted = checked_rows(confidences, num_drafted, type(self).__name__)  # [R][gamma], [R]
+        return lengths_tensor([self._leading_passes(row[:n]) for row, n in zip(rows, drafted)], num_drafted)  # [R]
+
+    def _leading_passes(self, confidences: list[float]) -> int:
+        """How many drafts lead the row before its first confidence below the threshold."""
+        for position, confidence in enumerate(confidences):
+            if not confidence >= self.threshold:
+                return position
+        return len(confidences)
 
     def __repr__(self) -> str:
         return f"ThresholdScheduler(threshold={self.threshold})"

@@ -329,7 +329,7 @@ class SpecDecoder:
         # Python ints: a few per request, where tensor ops would each cost a dispatch on every round.
         limit = [max(r.remaining - 1, 0) for r in requests]  # [R]
         if room is not None:
-            room = torch.as_tensor(room, dtype=torch.long).tolist()
+            room = room.long().tolist() if isinstance(room, torch.Tensor) else [int(fits) for fits in room]
             if not isinstance(room, list) or len(room) != len(limit):
                 raise ValueError(f"room must hold one count per request ([{len(requests)}]), got {room}")
             limit = [min(most, max(fits, 0)) for most, fits in zip(limit, room)]
