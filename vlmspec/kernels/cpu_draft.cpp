@@ -193,7 +193,7 @@ void run_block(const Weights& w, const Round& r, Scratch<T>& b, const Team& team
   const float* sin = r.sin + r.span * hd;
   T* x = ptr<T>(b.x);
   if (team.member == 0) {  // [anchor embedding, MASK x (G - 1)]
-    std::memcpy(x, ptr<T>(w.embedding) + r.anchor[0] * d, d * sizeof(T));
+    std::memcpy(x, ptr<T>(w.embedding) + r.anchor * d, d * sizeof(T));
     for (int64_t g = 1; g < G; ++g) std::memcpy(x + g * d, ptr<T>(w.mask), d * sizeof(T));
   }
 #pragma omp barrier
@@ -321,8 +321,8 @@ using namespace dspark;
 // [G] int64, the float32 distributions they were drawn from [G, N] (empty when greedy) and the
 // confidences [G] float32 (empty without a confidence head).
 std::vector<at::Tensor> dspark_round(const c10::Dict<std::string, at::Tensor>& weights, at::IntArrayRef shape,
-                                     double eps, double theta, const at::Tensor& anchor,
-                                     const at::Tensor& anchor_position, const at::Tensor& features,
+                                     double eps, double theta, int64_t anchor,
+                                     int64_t anchor_position, const at::Tensor& features,
                                      const at::Tensor& positions, at::TensorList keys, at::TensorList values,
                                      int64_t context_length, double temperature, const at::Tensor& uniforms) {
   TORCH_CHECK(shape.size() == sizeof(Shape) / sizeof(int64_t), "dspark_round: shape needs ",
@@ -340,9 +340,10 @@ std::vector<at::Tensor> dspark_round(const c10::Dict<std::string, at::Tensor>& w
                   (span == 0 || features.size(1) == w.context_proj.in()),
               "dspark_round: features [n, ", w.context_proj.in(), "] contiguous ", dtype, " expected, got ",
               features.sizes(), " ", features.scalar_type());
-  TORCH_CHECK(positions.numel() == span && positions.scalar_type() == at::kLong && anchor.numel() == 1 &&
-                  anchor_position.numel() == 1,
-              "dspark_round: one int64 position per span token and one anchor expected");
+  TORCH_CHECK(positions.numel() == span && positions.scalar_type() == at::kLong,
+              "dspark_round: one int64 position per span token expected");
+  TORCH_CHECK(anchor >= 0 && anchor < w.embedding.size(0), "dspark_round: anchor id ", anchor,
+              " is outside the drafter's embedding table of ", w.embedding.size(0), " rows");
   TORCH_CHECK(static_cast<int64_t>(keys.size()) == s.layers && static_cast<int64_t>(values.size()) == s.layers,
               "dspark_round: one key and one value buffer per layer expected");
   for (int64_t i = 0; i < s.layers; ++i)
@@ -360,14 +361,12 @@ std::vector<at::Tensor> dspark_round(const c10::Dict<std::string, at::Tensor>& w
   std::vector<int64_t> all_positions(span + G);
   const at::Tensor span_positions = positions.contiguous();
   for (int64_t t = 0; t < span; ++t) all_positions[t] = span_positions.data_ptr<int64_t>()[t];
-  const int64_t start = anchor_position.to(at::kLong).item<int64_t>();
-  for (int64_t g = 0; g < G; ++g) all_positions[span + g] = start + g;
+  for (int64_t g = 0; g < G; ++g) all_positions[span + g] = anchor_position + g;
   std::vector<float> cos((span + G) * s.head_dim), sin((span + G) * s.head_dim);
   if (dtype == at::kFloat)
     rotary_tables<float>(all_positions.data(), span + G, s.head_dim, theta, cos.data(), sin.data());
   else
     rotary_tables<uint16_t>(all_positions.data(), span + G, s.head_dim, theta, cos.data(), sin.data());
-  const at::Tensor anchor_id = anchor.to(at::kLong).contiguous();
   const at::Tensor tokens = at::empty({G}, at::kLong);
   const at::Tensor probs = at::empty({drawing ? G : 0, s.vocab}, at::kFloat);
   const at::Tensor confidences = at::empty({s.confidence == kNoConfidence ? 0 : G}, at::kFloat);
@@ -378,7 +377,7 @@ std::vector<at::Tensor> dspark_round(const c10::Dict<std::string, at::Tensor>& w
           temperature,
           span,
           context_length,
-          anchor_id.data_ptr<int64_t>(),
+          anchor,
           features.data_ptr(),
           cos.data(),
           sin.data(),
@@ -399,8 +398,8 @@ std::vector<at::Tensor> dspark_round(const c10::Dict<std::string, at::Tensor>& w
 
 TORCH_LIBRARY_FRAGMENT(vlmspec, m) {
   m.def(
-      "dspark_round(Dict(str, Tensor) weights, int[] shape, float eps, float theta, Tensor anchor, "
-      "Tensor anchor_position, Tensor features, Tensor positions, Tensor(a!)[] keys, Tensor(b!)[] values, "
+      "dspark_round(Dict(str, Tensor) weights, int[] shape, float eps, float theta, int anchor, "
+      "int anchor_position, Tensor features, Tensor positions, Tensor(a!)[] keys, Tensor(b!)[] values, "
       "int context_length, float temperature, Tensor uniforms) -> Tensor[]");
 }
 

@@ -48,7 +48,7 @@ struct Round {
   float eps, scale;
   double temperature;
   int64_t span, context;            // new context tokens, tokens already in the buffers
-  const int64_t* anchor;            // [1]
+  int64_t anchor;                   // the block's first token (a target id)
   const void* features;             // [span, F padded] in T
   const float *cos, *sin;           // [span + G, hd]: the span's positions, then the block's
   std::vector<at::Tensor> keys, values;  // per layer [1, Hkv, capacity, hd]

@@ -55,7 +55,7 @@ void run_head(const Weights& w, const Round& r, Scratch<T>& b, const Team& team)
   T* mid = ptr<T>(b.head_mid);     // [3 rank] their output
   T* state = ptr<T>(b.state);      // [rank] the RNN state
   float* logits = ptr<float>(b.logits);
-  int64_t previous = r.anchor[0];  // a target id
+  int64_t previous = r.anchor;  // a target id
   for (int64_t k = 0; k < G; ++k) {
     const T* hidden = ptr<T>(b.hidden) + k * d;
     const T* embedded = s.head_kind == kNoHead ? nullptr : ptr<T>(w.head_embed) + previous * rank;

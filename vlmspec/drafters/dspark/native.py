@@ -51,6 +51,7 @@ HEAD_KIND_CODES = {"none": 0, "vanilla": 1, "gated": 2, "rnn": 3}
 #: Most span tokens one native round absorbs; a longer span (a prompt) goes through the PyTorch
 #: context projection first, whose GEMM is the better tool for many rows.
 MAX_SPAN = MAX_ROWS
+_NO_UNIFORMS = torch.empty(0, dtype=torch.float64)  # a greedy round draws nothing (never written)
 
 
 class NativeRound:
@@ -130,7 +131,7 @@ class NativeRound:
             dtype,
             len(cache) + span + config.block_size,
         )
-        uniforms = torch.empty(0, dtype=torch.float64)
+        uniforms = _NO_UNIFORMS
         if temperature > 0:  # the Python loop's G draws of one uniform each, in one call
             uniforms = torch.rand(config.block_size, generator=generator, dtype=torch.float64)
         tokens, probs, confidences = torch.ops.vlmspec.dspark_round(
@@ -138,8 +139,8 @@ class NativeRound:
             self.shape,
             config.rms_norm_eps,
             config.rope_theta,
-            torch.tensor([anchor]),
-            torch.tensor([anchor_position]),
+            int(anchor),
+            int(anchor_position),
             features.to(dtype).contiguous(),
             positions.to(torch.long),
             keys,
