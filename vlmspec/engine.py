@@ -59,12 +59,22 @@ class SpecEngine:
         scheduler: Scheduler | None = None,
         *,
         prefix_caching: bool = True,
+        batch_invariant: bool = False,
     ):
         """``prefix_caching``: a prompt that starts as an earlier one did (the next turn of a chat about the same
-        image) reuses that prompt's KV and drafter context instead of computing them again."""
+        image) reuses that prompt's KV and drafter context instead of computing them again. ``batch_invariant``:
+        prompts run through the decode step's kernels, so such a turn answers bit for bit as a fresh engine
+        would, bfloat16 included, at some cost in prefill time (:class:`~vlmspec.serving.BatchEngine`)."""
         self.target = target
         # One host, so one owner of the target's KV; speculative=False is a request option it honours.
-        self._host = BatchEngine(target, proposer, scheduler, max_batch_size=1, prefix_caching=prefix_caching)
+        self._host = BatchEngine(
+            target,
+            proposer,
+            scheduler,
+            max_batch_size=1,
+            prefix_caching=prefix_caching,
+            batch_invariant=batch_invariant,
+        )
         self._outputs = _Outputs(self._host)
 
     @property
@@ -91,6 +101,7 @@ class SpecEngine:
         device: str | torch.device = "cpu",
         decode: str = "fast",
         prefix_caching: bool = True,
+        batch_invariant: bool = False,
     ) -> SpecEngine:
         """Load a target from a local directory (or ``tiny:FAMILY``) and attach a drafter.
 
@@ -103,7 +114,13 @@ class SpecEngine:
         target = load_target(
             target_dir, dtype=dtype, attn_implementation=attn_implementation, device=device, decode=decode
         )
-        return cls(target, load_proposer(drafter, target), scheduler, prefix_caching=prefix_caching)
+        return cls(
+            target,
+            load_proposer(drafter, target),
+            scheduler,
+            prefix_caching=prefix_caching,
+            batch_invariant=batch_invariant,
+        )
 
     # ------------------------------------------------------------------ public
     def generate(

@@ -4,9 +4,11 @@ exactly as a freshly started engine does (greedy, fp32), with the same drafts ac
 from __future__ import annotations
 
 import pytest
+import torch
 from tiny_drafters import tiny_drafter
 
 from vlmspec.drafters.dspark import DSparkProposer
+from vlmspec.kernels import cpu_kernels
 from vlmspec.serving import BatchEngine
 
 QUESTIONS = ["What is in the picture?", "Describe the colours.", "What could happen next?"]
@@ -28,15 +30,26 @@ def accepted_by_round(result) -> tuple:
 
 
 def test_a_multi_turn_image_chat_reuses_its_prefix_and_answers_as_a_fresh_engine(make_target, family, astronaut):
-    target = make_target(family)
+    chat_answers_as_a_fresh_engine(make_target(family), astronaut)
+
+
+def test_batch_invariant_bfloat16_chat_answers_bit_for_bit_as_a_fresh_engine(make_target, family, astronaut):
+    """In bfloat16 a decode step and a prompt's GEMM round a token's KV differently: batch_invariant makes them one."""
+    probe = torch.empty(16, 64, dtype=torch.bfloat16)
+    if not (cpu_kernels.kernel_available() and cpu_kernels.packing_applies(probe)):
+        pytest.skip("batch_invariant runs on the packed kernels, which need AVX-512 with AVX512-BF16")
+    chat_answers_as_a_fresh_engine(make_target(family, dtype=torch.bfloat16), astronaut, batch_invariant=True)
+
+
+def chat_answers_as_a_fresh_engine(target, astronaut, **options) -> None:
     picture = astronaut.resize((64, 64))
     drafter = tiny_drafter(target)
-    warm = BatchEngine(target, DSparkProposer(drafter))
+    warm = BatchEngine(target, DSparkProposer(drafter), **options)
     history = []
     for turn, question in enumerate(QUESTIONS):
         messages = turn_messages(history, question, first=turn == 0)
         hit = run_alone(warm, picture, messages)
-        cold = run_alone(BatchEngine(target, DSparkProposer(drafter)), picture, messages)
+        cold = run_alone(BatchEngine(target, DSparkProposer(drafter), **options), picture, messages)
         assert hit.token_ids == cold.token_ids
         assert accepted_by_round(hit) == accepted_by_round(cold)  # the drafter had its whole context: same tau
         if turn:

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from vlmspec.kernels import cpu_kernels
+from vlmspec.targets import QwenVLTarget
 from vlmspec.targets.prefix_keys import RowContent
 from vlmspec.targets.ragged import RaggedBatch
 
@@ -153,3 +155,61 @@ def batch_prompt_piece(ids, start):
     from vlmspec.targets.prompts import as_row_prompt
 
     return as_row_prompt(ids).piece(start)
+
+
+@pytest.fixture
+def packed_kernels(make_target):
+    probe = torch.empty(16, 64, dtype=torch.bfloat16)
+    if not (cpu_kernels.kernel_available() and cpu_kernels.packing_applies(probe)):
+        pytest.skip("batch_invariant runs on the packed kernels, which need AVX-512 with AVX512-BF16")
+
+
+@pytest.mark.usefixtures("packed_kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_batch_invariant_prefill_gives_a_hit_the_bits_of_a_cold_prefill(make_target, family, astronaut, dtype):
+    """The earlier answer's KV comes from decode steps; a cold prefill computes it again: the same bits either way."""
+    target = make_target(family, dtype=dtype)
+    first = image_prompt(target, astronaut.resize((64, 64)))
+    batch = RaggedBatch(target, feature_layers=LAYERS, prefix_caching=True, batch_invariant=True)
+    (step,) = batch.prefill([first])
+    logits, answer = step.logits[-1], []
+    for _ in range(2 * SIZE + 3):  # greedy decode steps, one token each: their blocks are cached as they fill
+        answer.append(int(logits.argmax()))
+        logits = batch.verify(torch.tensor([answer[-1:]]), torch.tensor([1])).logits[0, 0]
+        batch.advance(torch.tensor([1]))
+    batch.remove(0)
+    prompt = first.extended([*answer, 7, 8, 9])  # the next turn: the image, the answer as decoded, more text
+    (start,) = batch.open([prompt])
+    assert start > first.length  # the hit reaches into the decoded answer
+    (warm,) = batch.extend([0], [prompt.piece(start)])
+    cold = RaggedBatch(target, feature_layers=LAYERS, batch_invariant=True)
+    (cold_step,) = cold.prefill([prompt])
+    assert torch.equal(warm.logits, cold_step.logits)
+    assert torch.equal(batch.features_of(0, prompt.length), cold_step.features)
+
+
+@pytest.mark.usefixtures("packed_kernels")
+def test_a_batch_invariant_extend_that_fails_leaves_every_row_as_it_was(make_target, monkeypatch):
+    target = make_target("qwen2_vl")
+    prompt = target.row_prompt(target.build_inputs(None, "Count from one to twenty, slowly, please, and back."))
+    batch = RaggedBatch(target, feature_layers=LAYERS, batch_invariant=True)
+    assert batch.open([prompt]) == [0]
+    forwards, once = [], batch._extend_once
+
+    def fail_on_the_second(rows, pieces):
+        forwards.append([p.length for p in pieces])
+        if len(forwards) == 2:
+            raise RuntimeError("injected")
+        return once(rows, pieces)
+
+    monkeypatch.setattr(batch, "_extend_once", fail_on_the_second)
+    with pytest.raises(RuntimeError, match="injected"):
+        batch.extend([0], [prompt.piece(0)])
+    assert forwards[0] == [16] and batch.lengths.tolist() == [0]
+
+
+def test_batch_invariance_is_refused_where_the_packed_kernels_do_not_run(make_target):
+    tiny = make_target("qwen2_vl")
+    reference = QwenVLTarget(tiny.model, tiny.processor, decode="reference")
+    with pytest.raises(ValueError, match="leave batch_invariant off"):
+        RaggedBatch(reference, batch_invariant=True)

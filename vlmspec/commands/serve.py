@@ -67,6 +67,13 @@ def add_serve(commands) -> None:
         "turn of a chat about the same image or a shared system prompt, reuses its KV blocks)",
     )
     p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="run prompts through the decode step's kernels (16 tokens of a request a forward), so that a turn that "
+        "reuses cached KV answers bit for bit as a fresh server would, in bfloat16 too; prefills take longer "
+        "(default: off; float32 answers agree either way)",
+    )
+    p.add_argument(
         "--kv-cache-memory",
         type=parse_kv_cache_memory,
         default=None,
@@ -185,6 +192,7 @@ def _run_serve(args) -> int:
         max_prefill_tokens=args.max_prefill_tokens,
         kv_cache_memory=args.kv_cache_memory,
         prefix_caching=args.prefix_caching,
+        batch_invariant=args.batch_invariant,
     )
     name = args.served_model_name or Path(str(args.target)).name
     cap = "always" if args.speculate_up_to is None else f"up to {args.speculate_up_to} running"

@@ -137,7 +137,12 @@ class BatchEngine:
     the RAM available at start); a request is admitted when its prompt's KV blocks fit, a running
     one that runs short is preempted and recomputed later (see :mod:`vlmspec.serving.memory`), and
     one that could never fit is refused by ``add_request``. ``prefix_caching`` reuses the KV of
-    earlier prompts' full blocks (:meth:`admit`).
+    earlier prompts' full blocks (:meth:`admit`). ``batch_invariant`` runs prompts through the
+    decode step's kernels, at most 16 tokens of a row a forward, so that a prefix hit (whose
+    cached blocks include the earlier answer, computed by decode steps) answers bit for bit as
+    a cold prefill of the same conversation does, in bfloat16 too; prefills then take longer
+    (docs/design.md §21.4). Without it, float32 answers agree and bfloat16 ones may differ at
+    near-ties.
     """
 
     def __init__(
@@ -152,6 +157,7 @@ class BatchEngine:
         max_prefill_tokens: int | None = None,
         kv_cache_memory: int | float | None = None,
         prefix_caching: bool = True,
+        batch_invariant: bool = False,
     ) -> None:
         check_positive("max_batch_size", max_batch_size)
         for name, value in (("speculate_up_to", speculate_up_to), ("max_prefill_tokens", max_prefill_tokens)):
@@ -171,6 +177,7 @@ class BatchEngine:
             feature_layers=self.decoder.proposer.feature_layers,
             kv_cache_bytes=kv_budget_bytes(kv_cache_memory),
             prefix_caching=prefix_caching,
+            batch_invariant=batch_invariant,
         )
         self._waiting: deque[_Entry] = deque()
         self._running: list[_Entry] = []  # _running[row] holds the request in ragged row `row`
@@ -192,6 +199,7 @@ class BatchEngine:
         max_prefill_tokens: int | None = None,
         kv_cache_memory: int | float | None = None,
         prefix_caching: bool = True,
+        batch_invariant: bool = False,
         dtype: str | torch.dtype = "float32",
         attn_implementation: str = "sdpa",
         device: str | torch.device = "cpu",
@@ -215,6 +223,7 @@ class BatchEngine:
             max_prefill_tokens=max_prefill_tokens,
             kv_cache_memory=kv_cache_memory,
             prefix_caching=prefix_caching,
+            batch_invariant=batch_invariant,
         )
 
     @property

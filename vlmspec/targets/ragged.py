@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vlmspec.kernels.cpu_kernels import attention_applies, paged_attention
+from vlmspec.kernels.cpu_kernels import attention_applies, kernel_max_rows, packing_applies, paged_attention
 from vlmspec.targets.adapter import QwenVLTarget, RequestState, TargetStep
 from vlmspec.targets.families import language_model
 from vlmspec.targets.pool import DEFAULT_BLOCK_SIZE, KVPool, block_bytes
@@ -124,12 +124,18 @@ class RaggedBatch:
         block_size: int = DEFAULT_BLOCK_SIZE,
         kv_cache_bytes: int | None = None,
         prefix_caching: bool = False,
+        batch_invariant: bool = False,
     ):
         """``initial_capacity``: token slots the pool starts with (it grows on demand); ``block_size``: slots a
         block; ``kv_cache_bytes``: the most bytes of KV the pool may hold (None: unbounded; see :class:`KVPool`);
-        ``prefix_caching``: rows that start as an earlier row did share its full blocks (see :meth:`open`)."""
+        ``prefix_caching``: rows that start as an earlier row did share its full blocks (see :meth:`open`);
+        ``batch_invariant``: prompt pieces run through the decode step's kernels (:meth:`extend`), so a token's
+        KV and logits have the same bits however it was computed: a prefix hit answers as a cold prefill does."""
         _check_attention(target)
+        if batch_invariant:
+            _check_batch_invariance(target)
         self.target = target
+        self.batch_invariant = batch_invariant
         self.feature_layers = target.check_feature_layers(feature_layers)
         self.lengths = torch.zeros(0, dtype=torch.long)  # [R] committed tokens per row
         self.rope_deltas = torch.zeros(0, dtype=torch.long)  # [R]
@@ -383,12 +389,60 @@ class RaggedBatch:
         the prediction after its last token (logits [1, V] float32), the hooked features of
         its tokens ([n_i, m * d], or None) and their 1-D positions ([n_i]). If the forward
         fails, no row's length changes (it wrote only past them).
+
+        With ``batch_invariant`` the pieces run as a decode step runs, in as many forwards as
+        that takes (:meth:`_decode_sized`); a failure then leaves every row as it was too.
         """
         if len(rows) != len(pieces) or len(set(rows)) != len(rows):
             raise ValueError("extend() takes one piece for each of distinct rows")
         for row, piece in zip(rows, pieces, strict=True):
             if not 0 <= row < self.num_rows or int(self.lengths[row]) != piece.start:
                 raise ValueError(f"row {row} holds {int(self.lengths[row])} tokens, the piece starts at {piece.start}")
+        if self.batch_invariant:
+            return self._extend_decode_sized(rows, pieces)
+        return self._extend_once(rows, pieces)
+
+    def _extend_decode_sized(self, rows: Sequence[int], pieces: Sequence[RowPrompt]) -> list[TargetStep]:
+        """:meth:`extend` in forwards no wider than a decode step may be, so the same kernels compute every token.
+
+        The native step's linears give each token the same bits in any batch of up to
+        ``kernel_max_rows`` tokens, and its attention computes each query alone over its row's
+        slots, but a wider forward takes ATen's GEMM and a row of more than
+        ``KERNEL_ATTENTION_MAX_QUERIES`` queries takes SDPA, which round differently. So each
+        forward takes at most that many tokens of a row and that many in all: a prompt's
+        tokens then get the bits a decode step would give them, and a later turn that reuses
+        the answer's cached KV answers as a cold prefill of the same conversation does.
+        """
+        lengths = self.lengths.clone()
+        per_row = min(KERNEL_ATTENTION_MAX_QUERIES, kernel_max_rows(self.target.dtype))
+        done = [0] * len(pieces)  # tokens of each piece already run
+        logits: list[torch.Tensor | None] = [None] * len(pieces)  # [1, V] after each piece's last token so far
+        features: list[list[torch.Tensor]] = [[] for _ in pieces]  # each part's [n, m * d], in order
+        try:
+            while any(n < p.length for n, p in zip(done, pieces)):
+                chosen, parts, total = [], [], 0
+                for i, piece in enumerate(pieces):
+                    take = min(per_row, piece.length - done[i], kernel_max_rows(self.target.dtype) - total)
+                    if take > 0:
+                        chosen.append(i)
+                        parts.append(piece.piece(done[i], done[i] + take))
+                        total += take
+                steps = self._extend_once([rows[i] for i in chosen], parts)
+                for i, part, step in zip(chosen, parts, steps, strict=True):
+                    done[i] += part.length
+                    logits[i] = step.logits
+                    if step.features is not None:
+                        features[i].append(step.features)
+        except Exception:
+            self.lengths = lengths  # the rows as they were; what was written past them is unused
+            raise
+        return [
+            TargetStep(logits=last, features=torch.cat(parts) if parts else None, positions=piece.positions_1d())
+            for piece, last, parts in zip(pieces, logits, features, strict=True)
+        ]
+
+    def _extend_once(self, rows: Sequence[int], pieces: Sequence[RowPrompt]) -> list[TargetStep]:
+        """:meth:`extend`'s one packed forward (its inputs checked)."""
         order = sorted(range(len(rows)), key=lambda i: rows[i])  # the packed forward takes rows in order
         ordered = [pieces[i] for i in order]
         width = max(p.length for p in pieces)
@@ -627,6 +681,18 @@ def _check_attention(target: QwenVLTarget) -> None:
     config = target.model.config.get_text_config()
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", False):
         raise ValueError("ragged batches do not support sliding-window attention; load the target without it")
+
+
+def _check_batch_invariance(target: QwenVLTarget) -> None:
+    """Refuse ``batch_invariant`` where the decode step's linears are not the packed kernel's (whose bits for a token
+    do not depend on the batch): ATen's and oneDNN's GEMMs pick their blocking by the batch's size."""
+    probe = torch.empty(16, target.model.config.get_text_config().hidden_size, dtype=target.dtype, device=target.device)
+    if target.decode != "fast" or not packing_applies(probe):
+        raise ValueError(
+            f"batch_invariant needs the fast decode path on vlmspec's packed CPU kernels (AVX-512, and AVX512-BF16 "
+            f"for bfloat16), which this {target.dtype} target on {target.device} (decode={target.decode!r}) does "
+            "not run on here: leave batch_invariant off (float32 answers still agree with a cold prefill)"
+        )
 
 
 def _padding_gather(layout: _Layout, device: torch.device) -> torch.Tensor:  # -> [R * W] int64
