@@ -59,12 +59,12 @@ class SpecEngine:
         scheduler: Scheduler | None = None,
         *,
         prefix_caching: bool = True,
-        batch_invariant: bool = False,
+        batch_invariant: bool | None = None,
     ):
         """``prefix_caching``: a prompt that starts as an earlier one did (the next turn of a chat about the same
         image) reuses that prompt's KV and drafter context instead of computing them again. ``batch_invariant``:
         prompts run through the decode step's kernels, so such a turn answers bit for bit as a fresh engine
-        would, bfloat16 included, at some cost in prefill time (:class:`~vlmspec.serving.BatchEngine`)."""
+        would (None: where that costs nothing measured, see :class:`~vlmspec.serving.BatchEngine`)."""
         self.target = target
         # One host, so one owner of the target's KV; speculative=False is a request option it honours.
         self._host = BatchEngine(
@@ -101,7 +101,7 @@ class SpecEngine:
         device: str | torch.device = "cpu",
         decode: str = "fast",
         prefix_caching: bool = True,
-        batch_invariant: bool = False,
+        batch_invariant: bool | None = None,
     ) -> SpecEngine:
         """Load a target from a local directory (or ``tiny:FAMILY``) and attach a drafter.
 

@@ -33,12 +33,13 @@ def test_a_multi_turn_image_chat_reuses_its_prefix_and_answers_as_a_fresh_engine
     chat_answers_as_a_fresh_engine(make_target(family), astronaut)
 
 
-def test_batch_invariant_bfloat16_chat_answers_bit_for_bit_as_a_fresh_engine(make_target, family, astronaut):
-    """In bfloat16 a decode step and a prompt's GEMM round a token's KV differently: batch_invariant makes them one."""
+def test_a_bfloat16_chat_answers_bit_for_bit_as_a_fresh_engine_by_default(make_target, family, astronaut):
+    """In bfloat16 a decode step and a prompt's GEMM round a token's KV differently: batch invariance (on by default
+    in bfloat16 where the packed kernels run) makes them one."""
     probe = torch.empty(16, 64, dtype=torch.bfloat16)
     if not (cpu_kernels.kernel_available() and cpu_kernels.packing_applies(probe)):
         pytest.skip("batch_invariant runs on the packed kernels, which need AVX-512 with AVX512-BF16")
-    chat_answers_as_a_fresh_engine(make_target(family, dtype=torch.bfloat16), astronaut, batch_invariant=True)
+    chat_answers_as_a_fresh_engine(make_target(family, dtype=torch.bfloat16), astronaut)
 
 
 def chat_answers_as_a_fresh_engine(target, astronaut, **options) -> None:

@@ -213,3 +213,11 @@ def test_batch_invariance_is_refused_where_the_packed_kernels_do_not_run(make_ta
     reference = QwenVLTarget(tiny.model, tiny.processor, decode="reference")
     with pytest.raises(ValueError, match="leave batch_invariant off"):
         RaggedBatch(reference, batch_invariant=True)
+
+
+@pytest.mark.usefixtures("packed_kernels")
+def test_batch_invariance_is_on_by_default_in_bfloat16_only(make_target):
+    on = RaggedBatch(make_target("qwen2_vl", dtype=torch.bfloat16)).batch_invariant
+    assert on == (cpu_kernels.kernel_max_rows(torch.bfloat16) == cpu_kernels.MAX_ROWS)  # not where AMX tiles prefill
+    assert not RaggedBatch(make_target("qwen2_vl")).batch_invariant  # float32
+    assert not RaggedBatch(make_target("qwen2_vl", dtype=torch.bfloat16), batch_invariant=False).batch_invariant

@@ -140,9 +140,10 @@ class BatchEngine:
     earlier prompts' full blocks (:meth:`admit`). ``batch_invariant`` runs prompts through the
     decode step's kernels, at most 16 tokens of a row a forward, so that a prefix hit (whose
     cached blocks include the earlier answer, computed by decode steps) answers bit for bit as
-    a cold prefill of the same conversation does, in bfloat16 too; prefills then take longer
-    (docs/design.md §21.4). Without it, float32 answers agree and bfloat16 ones may differ at
-    near-ties.
+    a cold prefill of the same conversation does. None (the default) turns it on where it was
+    measured to cost nothing, bfloat16 on the packed AVX-512 kernels, and off in float32, where
+    long prefills take up to twice as long and the answers agree without it
+    (:func:`~vlmspec.targets.ragged.batch_invariance_default`, docs/design.md §21.4).
     """
 
     def __init__(
@@ -157,7 +158,7 @@ class BatchEngine:
         max_prefill_tokens: int | None = None,
         kv_cache_memory: int | float | None = None,
         prefix_caching: bool = True,
-        batch_invariant: bool = False,
+        batch_invariant: bool | None = None,
     ) -> None:
         check_positive("max_batch_size", max_batch_size)
         for name, value in (("speculate_up_to", speculate_up_to), ("max_prefill_tokens", max_prefill_tokens)):
@@ -199,7 +200,7 @@ class BatchEngine:
         max_prefill_tokens: int | None = None,
         kv_cache_memory: int | float | None = None,
         prefix_caching: bool = True,
-        batch_invariant: bool = False,
+        batch_invariant: bool | None = None,
         dtype: str | torch.dtype = "float32",
         attn_implementation: str = "sdpa",
         device: str | torch.device = "cpu",

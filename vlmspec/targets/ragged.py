@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vlmspec.kernels.cpu_kernels import attention_applies, kernel_max_rows, packing_applies, paged_attention
+from vlmspec.kernels.cpu_kernels import MAX_ROWS, attention_applies, kernel_max_rows, packing_applies, paged_attention
 from vlmspec.targets.adapter import QwenVLTarget, RequestState, TargetStep
 from vlmspec.targets.families import language_model
 from vlmspec.targets.pool import DEFAULT_BLOCK_SIZE, KVPool, block_bytes
@@ -124,16 +124,23 @@ class RaggedBatch:
         block_size: int = DEFAULT_BLOCK_SIZE,
         kv_cache_bytes: int | None = None,
         prefix_caching: bool = False,
-        batch_invariant: bool = False,
+        batch_invariant: bool | None = None,
     ):
         """``initial_capacity``: token slots the pool starts with (it grows on demand); ``block_size``: slots a
         block; ``kv_cache_bytes``: the most bytes of KV the pool may hold (None: unbounded; see :class:`KVPool`);
         ``prefix_caching``: rows that start as an earlier row did share its full blocks (see :meth:`open`);
         ``batch_invariant``: prompt pieces run through the decode step's kernels (:meth:`extend`), so a token's
-        KV and logits have the same bits however it was computed: a prefix hit answers as a cold prefill does."""
+        KV and logits have the same bits however it was computed: a prefix hit answers as a cold prefill does
+        (None: :func:`batch_invariance_default`)."""
         _check_attention(target)
-        if batch_invariant:
-            _check_batch_invariance(target)
+        if batch_invariant is None:
+            batch_invariant = batch_invariance_default(target)
+        elif batch_invariant and not _packed_kernels_run(target):
+            raise ValueError(
+                f"batch_invariant needs the fast decode path on vlmspec's packed CPU kernels (AVX-512, and AVX512-BF16 "
+                f"for bfloat16), which this {target.dtype} target on {target.device} (decode={target.decode!r}) does "
+                "not run on here: leave batch_invariant off (float32 answers still agree with a cold prefill)"
+            )
         self.target = target
         self.batch_invariant = batch_invariant
         self.feature_layers = target.check_feature_layers(feature_layers)
@@ -683,16 +690,24 @@ def _check_attention(target: QwenVLTarget) -> None:
         raise ValueError("ragged batches do not support sliding-window attention; load the target without it")
 
 
-def _check_batch_invariance(target: QwenVLTarget) -> None:
-    """Refuse ``batch_invariant`` where the decode step's linears are not the packed kernel's (whose bits for a token
-    do not depend on the batch): ATen's and oneDNN's GEMMs pick their blocking by the batch's size."""
+def batch_invariance_default(target: QwenVLTarget) -> bool:
+    """Whether prompts run batch-invariant unless told: where that was measured to cost nothing.
+
+    On for bfloat16 on the packed kernels: on the 2-core EPYC, prefills of 1,500-6,000 tokens
+    took as long either way (docs/design.md §21.4), and without it a cached answer's KV rounds
+    differently from a cold prefill's often enough to change a bfloat16 answer at a near-tie.
+    Off in float32, where a 6,000-token prefill took 2.1x as long and the answers agree anyway,
+    and where ATen's GEMM runs bfloat16 on AMX tiles (the kernel then takes only 16 rows a
+    forward, against the tiles' fast prefill).
+    """
+    return target.dtype == torch.bfloat16 and _packed_kernels_run(target) and kernel_max_rows(target.dtype) == MAX_ROWS
+
+
+def _packed_kernels_run(target: QwenVLTarget) -> bool:
+    """Whether the decode step's linears are the packed kernel's, whose bits for a token do not depend on the
+    batch (ATen's and oneDNN's GEMMs pick their blocking by the batch's size)."""
     probe = torch.empty(16, target.model.config.get_text_config().hidden_size, dtype=target.dtype, device=target.device)
-    if target.decode != "fast" or not packing_applies(probe):
-        raise ValueError(
-            f"batch_invariant needs the fast decode path on vlmspec's packed CPU kernels (AVX-512, and AVX512-BF16 "
-            f"for bfloat16), which this {target.dtype} target on {target.device} (decode={target.decode!r}) does "
-            "not run on here: leave batch_invariant off (float32 answers still agree with a cold prefill)"
-        )
+    return target.decode == "fast" and packing_applies(probe)
 
 
 def _padding_gather(layout: _Layout, device: torch.device) -> torch.Tensor:  # -> [R * W] int64
