@@ -221,3 +221,18 @@ def test_batch_invariance_is_on_by_default_in_bfloat16_only(make_target):
     assert on == (cpu_kernels.kernel_max_rows(torch.bfloat16) == cpu_kernels.MAX_ROWS)  # not where AMX tiles prefill
     assert not RaggedBatch(make_target("qwen2_vl")).batch_invariant  # float32
     assert not RaggedBatch(make_target("qwen2_vl", dtype=torch.bfloat16), batch_invariant=False).batch_invariant
+
+
+def test_blocks_of_the_other_forward_are_not_hit_after_decode_changes(make_target):
+    """The fast and the reference forwards round differently: a prompt after a switch is computed, not hit."""
+    tiny = make_target("qwen2_vl")
+    target = QwenVLTarget(tiny.model, tiny.processor)  # its own decode setting, switched below
+    prompt = target.row_prompt(target.build_inputs(None, "Count from one to twenty, slowly, please, and back."))
+    batch = RaggedBatch(target, prefix_caching=True)
+    target.decode = "reference"
+    batch.prefill([prompt])
+    batch.remove(0)
+    assert batch.open([prompt]) == [(prompt.length - 1) // SIZE * SIZE]  # the same forward: its blocks are hit
+    batch.remove(0)
+    target.decode = "fast"
+    assert batch.open([prompt]) == [0]

@@ -186,6 +186,7 @@ class RaggedBatch:
         # repacked) whenever a request joins: the check reads every parameter, 0.7 ms on the reference target.
         self._decoder = None
         self._weights_cached = None  # the packed decoder the prefix cache's blocks were computed with
+        self._decode_cached = target.decode  # the forward ("fast" / "reference") that computed the cached blocks
 
     # ----------------------------------------------------------------- rows
     @property
@@ -267,8 +268,9 @@ class RaggedBatch:
         return self.pool.features[blocks].flatten(0, 1)[:end]
 
     def clear_prefix_cache(self) -> None:
-        """Forget every cached block (done on its own when the fast path sees new weights; call it after changing
-        a model's weights in place under ``decode="reference"``). Rows keep the blocks they hold."""
+        """Forget every cached block (done on its own when the fast path sees new weights or the target's ``decode``
+        changes; call it after changing a model's weights in place under ``decode="reference"``). Rows keep the
+        blocks they hold."""
         if self.pool.prefix is not None:
             self.pool.free_idle(self.pool.prefix.clear())
 
@@ -360,6 +362,7 @@ class RaggedBatch:
         prompts = [as_row_prompt(p) for p in prompts]
         if any(p.length < 1 or p.start != 0 for p in prompts):
             raise ValueError("open() takes whole prompts of at least one token")
+        self._forget_blocks_of_another_forward()
         first = self.num_rows
         self._open_rows(len(prompts))
         size, index = self.pool.block_size, self.pool.prefix
@@ -513,6 +516,7 @@ class RaggedBatch:
             packed_positions = positions[layout.rows, layout.offsets].to(device)  # [B], all three M-RoPE components
         if mrope is not None:
             packed_positions = mrope.to(device)  # [3, B]
+        self._forget_blocks_of_another_forward()
         forward = self._fast_forward if self.target.decode == "fast" else self._reference_forward
         logits_at = None if logits_at is None else logits_at.to(device)
         logits, features = forward(packed_ids, packed_positions, layout, logits_at, vision)
@@ -621,6 +625,13 @@ class RaggedBatch:
             committed=self.lengths,
             device=self.target.device,
         )
+
+    def _forget_blocks_of_another_forward(self) -> None:
+        """Clear the prefix cache when the target's ``decode`` changed since its blocks were computed: the fast and
+        the reference forwards round differently, so a hit on the other's blocks would not answer as a cold prompt."""
+        if self.target.decode != self._decode_cached:
+            self.clear_prefix_cache()
+            self._decode_cached = self.target.decode
 
     def _open_rows(self, count: int) -> None:
         """Append ``count`` empty rows (length 0, rope_delta 0, no blocks)."""
