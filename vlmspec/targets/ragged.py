@@ -401,7 +401,7 @@ class RaggedBatch:
         fails, no row's length changes (it wrote only past them).
 
         With ``batch_invariant`` the pieces run as a decode step runs, in as many forwards as
-        that takes (:meth:`_decode_sized`); a failure then leaves every row as it was too.
+        that takes (:meth:`_extend_decode_sized`); a failure then leaves every row as it was too.
         """
         if len(rows) != len(pieces) or len(set(rows)) != len(rows):
             raise ValueError("extend() takes one piece for each of distinct rows")
