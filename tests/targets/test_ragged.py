@@ -288,3 +288,26 @@ def test_a_prompt_whose_images_do_not_match_its_placeholders_is_refused(make_tar
     inputs.model_kwargs["image_grid_thw"] = inputs.model_kwargs["image_grid_thw"] * torch.tensor([[1, 2, 1]])
     with pytest.raises(ValueError, match="placeholder tokens"):
         target.row_prompt(inputs)
+
+
+def test_a_batch_invariant_verify_of_many_rows_gives_each_row_its_bits_alone(make_target):
+    """80 tokens in one verify would take the GEMM: batch_invariant runs them in forwards of at most 64."""
+    from vlmspec.kernels import cpu_kernels
+
+    if not (cpu_kernels.kernel_available() and cpu_kernels.packing_applies(torch.empty(16, 64, dtype=torch.bfloat16))):
+        pytest.skip("batch_invariant runs on the packed kernels, which need AVX-512 with AVX512-BF16")
+    target = make_target("qwen2_vl", dtype=torch.bfloat16, hidden_size=512)  # wide enough for the GEMM to block K
+    questions = [f"Question {i}: what comes after {i}?" for i in range(10)]
+    rows = [target.row_prompt(target.build_inputs(None, q)) for q in questions]
+    tokens = torch.randint(100, 1000, (10, 8), generator=torch.Generator().manual_seed(0))
+    together = RaggedBatch(target, feature_layers=LAYERS, batch_invariant=True)
+    together.prefill(rows)
+    step = together.verify(tokens, torch.full((10,), 8))  # 80 tokens
+    alone = RaggedBatch(target, feature_layers=LAYERS, batch_invariant=True)
+    alone.prefill(rows)
+    for row in range(10):
+        only = torch.zeros(10, dtype=torch.long)
+        only[row] = 8
+        own = alone.verify(tokens, only)
+        alone.advance(torch.zeros(10, dtype=torch.long))  # nothing kept: the next row sees the same KV
+        assert torch.equal(step.logits[row], own.logits[row]) and torch.equal(step.features[row], own.features[row])

@@ -310,7 +310,7 @@ class RaggedBatch:
             self._pending, self._pending_tokens = num_tokens, None
             return RaggedStep(torch.zeros(self.num_rows, width, self.target.vocab_size), None, positions)
         self._pending_tokens = tokens.cpu() if self.pool.prefix is not None else None
-        packed_logits, packed_features = self._forward(tokens, positions, num_tokens, layout)
+        packed_logits, packed_features = self._verify_forward(tokens, positions, num_tokens, layout)
         if not layout.dense:  # some rows verify fewer tokens: pad them
             gather = _padding_gather(layout, self.target.device)  # [R * W] packed index of each padded slot
             packed_logits = packed_logits[gather]
@@ -319,6 +319,22 @@ class RaggedBatch:
         features = None if packed_features is None else packed_features.view(self.num_rows, width, -1)
         self._pending = num_tokens
         return RaggedStep(logits=logits, features=features, positions=positions)
+
+    def _verify_forward(self, tokens, positions, num_tokens, layout: _Layout):
+        """:meth:`verify`'s packed logits [B, V] and features [B, m * d]: one forward, or with ``batch_invariant``
+        one per run of consecutive rows holding at most ``kernel_max_rows`` tokens, so that no step takes the
+        GEMM and a row's logits have the bits they would have if it ran alone (outputs stay in packed order)."""
+        limit = kernel_max_rows(self.target.dtype)
+        if not self.batch_invariant or layout.rows.numel() <= limit:
+            return self._forward(tokens, positions, num_tokens, layout)
+        parts = []
+        for rows in _rows_within(num_tokens.tolist(), limit):
+            part = torch.zeros_like(num_tokens)
+            part[rows] = num_tokens[rows]
+            parts.append(self._forward(tokens, positions, part, self._layout(part, tokens.shape[1])))
+        logits = torch.cat([part_logits for part_logits, _ in parts])
+        features = None if parts[0][1] is None else torch.cat([part_features for _, part_features in parts])
+        return logits, features
 
     @torch.no_grad()
     def prefill(self, prompts: Sequence[RowPrompt | torch.Tensor]) -> list[TargetStep]:  # tensors: [L_i] int64
@@ -693,6 +709,20 @@ def _grown(tables: torch.Tensor, rows: int | None = None, width: int | None = No
     new = tables.new_zeros(rows or tables.shape[0], width or tables.shape[1])
     new[: tables.shape[0], : tables.shape[1]] = tables
     return new
+
+
+def _rows_within(counts: Sequence[int], limit: int) -> list[list[int]]:
+    """Runs of consecutive rows whose counts sum to at most ``limit`` each (a row over it alone); empty rows left out."""
+    runs, run, total = [], [], 0
+    for row, count in enumerate(counts):
+        if not count:
+            continue
+        if run and total + count > limit:
+            runs.append(run)
+            run, total = [], 0
+        run.append(row)
+        total += count
+    return [*runs, run] if run else runs
 
 
 def _check_attention(target: QwenVLTarget) -> None:
