@@ -165,3 +165,27 @@ def test_a_mixed_block_carries_each_source_s_exact_draft_distribution():
     assert block.tokens[1].tolist() == [3, 4] and block.tokens[2].tolist() == [5, 1]
     for row in (1, 2):
         assert torch.equal(block.draft_probs[row], torch.nn.functional.one_hot(block.tokens[row], 6).float())
+
+
+def test_rows_that_all_draft_from_the_model_or_all_sit_out_give_the_row_by_row_block():
+    """The model-alone proposer's common rounds (every row drafts, or none does) skip the per-row restacking."""
+    updates = [ContextUpdate(torch.tensor([3, 4]), torch.arange(2), None, 5, 2) for _ in range(2)]
+    params = [SamplingParams(temperature=1.0)] * 2
+    drafting = HybridProposer(SamplingModel(), DraftingPolicy(COSTS, priors={MODEL: 1.0}))
+    states = [drafting.new_state() for _ in range(2)]
+    block = drafting.propose(states, updates, params, [torch.Generator().manual_seed(i) for i in range(2)])
+    alone = [
+        SamplingModel().propose_one([], u, p, torch.Generator().manual_seed(i))
+        for i, (u, p) in enumerate(zip(updates, params))
+    ]
+    assert block.sources == (MODEL, MODEL) and block.num_tokens.tolist() == [2, 2]
+    assert torch.equal(block.tokens, torch.cat([b.tokens for b in alone]))
+    assert torch.equal(block.draft_probs, torch.cat([b.draft_probs for b in alone]))
+    assert torch.equal(block.confidences, torch.cat([b.confidences for b in alone]))
+    assert [(s.last_source, s.last_drafts) for s in states] == [(MODEL, 2), (MODEL, 2)]
+    sitting_out = HybridProposer(RecordingModel(), DraftingPolicy(COSTS, priors={MODEL: 0.0}, probe_every=8))
+    states = [sitting_out.new_state() for _ in range(2)]
+    block = sitting_out.propose(states, updates, [SamplingParams()] * 2, [torch.Generator()] * 2)
+    assert block.sources == (NONE, NONE) and tuple(block.tokens.shape) == (2, 0) and block.num_tokens.tolist() == [0, 0]
+    assert tuple(block.confidences.shape) == (2, 0) and block.draft_probs is None
+    assert [(s.last_source, s.last_drafts) for s in states] == [(NONE, 0), (NONE, 0)]
