@@ -37,7 +37,7 @@ import torch
 
 from vlmspec.drafters.base import Proposer, check_batch, stack_blocks
 from vlmspec.drafters.prompt_lookup import PromptLookup, PromptLookupState
-from vlmspec.scheduling.policy import DraftingPolicy, SourceEvidence, planned_drafts
+from vlmspec.scheduling.policy import NONE, DraftingPolicy, SourceEvidence, planned_drafts
 from vlmspec.types import ContextUpdate, DraftBlock, SamplingParams
 
 NGRAM = "ngram"
@@ -134,8 +134,8 @@ class HybridProposer:
             state.pending.append(update)
         model_rows = [row for row, choice in enumerate(choices) if choice == MODEL]
         drafted = self._model_block(states, params, generators, model_rows) if model_rows else None
-        if len(model_rows) == len(states) or not (model_rows or any(c in self.copiers for c in choices)):
-            return self._uniform_block(states, choices, drafted)  # every row alike: no row-by-row restacking
+        if set(choices) in ({MODEL}, {NONE}):  # every row alike: no row-by-row restacking
+            return self._uniform_block(states, choices, drafted)
         rows = []
         for row, choice in enumerate(choices):
             if choice == MODEL:

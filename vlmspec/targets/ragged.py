@@ -440,7 +440,8 @@ class RaggedBatch:
         the answer's cached KV answers as a cold prefill of the same conversation does.
         """
         lengths = self.lengths.clone()
-        per_row = min(KERNEL_ATTENTION_MAX_QUERIES, kernel_max_rows(self.target.dtype))
+        most = kernel_max_rows(self.target.dtype)  # tokens a forward may hold
+        per_row = min(KERNEL_ATTENTION_MAX_QUERIES, most)
         done = [0] * len(pieces)  # tokens of each piece already run
         logits: list[torch.Tensor | None] = [None] * len(pieces)  # [1, V] after each piece's last token so far
         features: list[list[torch.Tensor]] = [[] for _ in pieces]  # each part's [n, m * d], in order
@@ -448,7 +449,7 @@ class RaggedBatch:
             while any(n < p.length for n, p in zip(done, pieces)):
                 chosen, parts, total = [], [], 0
                 for i, piece in enumerate(pieces):
-                    take = min(per_row, piece.length - done[i], kernel_max_rows(self.target.dtype) - total)
+                    take = min(per_row, piece.length - done[i], most - total)
                     if take > 0:
                         chosen.append(i)
                         parts.append(piece.piece(done[i], done[i] + take))
