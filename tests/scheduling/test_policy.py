@@ -92,6 +92,32 @@ def test_a_probe_whose_draft_survived_brings_the_wait_back_to_probe_every():
     assert probe_rounds(policy, 30, survived_at=frozenset({10})) == [3, 10, 14, 21]
 
 
+def test_with_prior_rounds_the_average_is_a_mean_until_the_newest_round_weighs_smoothing():
+    policy = DraftingPolicy(COSTS, priors={"model": 0.8}, smoothing=0.1, prior_rounds=4)
+    seen = policy.new_evidence(("model",))
+    outcomes = [0, 0, 3, 1, 0]
+    for accepted in outcomes:
+        policy.observe(seen, "model", accepted)
+    # weights 1/5, 1/6, ..., 1/9: all above 0.1, so the prior counts as 4 rounds of 0.8 in a plain mean
+    assert seen["model"].accepted == pytest.approx((4 * 0.8 + sum(outcomes)) / (4 + len(outcomes)))
+    assert policy.newest_weight(100) == 0.1  # past 1 / smoothing rounds: an exponential average
+    plain = DraftingPolicy(COSTS, smoothing=0.3)  # prior_rounds None: every round weighs smoothing
+    assert [plain.newest_weight(n) for n in (0, 1, 10)] == pytest.approx([0.3] * 3)
+
+
+def test_a_mean_keeps_drafting_through_unlucky_rounds_that_an_exponential_average_gives_up_on():
+    # a source that pays on average (break-even here is 0.6 accepted drafts), then misses three rounds
+    outcomes = [2, 1, 0, 0, 0]
+    short = DraftingPolicy(COSTS, priors={"model": 0.8}, smoothing=0.5)
+    mean = DraftingPolicy(COSTS, priors={"model": 0.8}, smoothing=0.05, prior_rounds=4)
+    for policy in (short, mean):
+        seen = policy.new_evidence(("model",))
+        for accepted in outcomes:
+            policy.observe(seen, "model", accepted)
+        choice = policy.choose(seen, {"model": 7})
+        assert choice == (NONE if policy is short else "model"), (policy, seen["model"].accepted)
+
+
 def test_costs_come_from_a_measured_table():
     costs = DraftCosts.from_table(sps_preset("cpu", max_tokens=8), {"model": 0.3})
     assert costs.verify(1) == pytest.approx(1.0) and len(costs.verify_steps) == 8
@@ -101,6 +127,8 @@ def test_costs_come_from_a_measured_table():
 def test_bad_settings_are_refused_with_what_to_pass():
     with pytest.raises(ValueError, match="smoothing"):
         DraftingPolicy(COSTS, smoothing=0.0)
+    with pytest.raises(ValueError, match="prior_rounds"):
+        DraftingPolicy(COSTS, prior_rounds=-1)
     with pytest.raises(ValueError, match="max_probe_every"):
         DraftingPolicy(COSTS, probe_every=16, max_probe_every=8)
     with pytest.raises(ValueError, match="verify_steps"):

@@ -10,8 +10,12 @@ each way to run the round, in units of one target step ``T(1)``:
   drafts verified (verification usually ends one past the accepted prefix);
 * no drafts: 1 token for ``T_verify(1) = 1`` step.
 
-``a_s`` is what earlier rounds of the same request showed (an exponential average of the
-accepted drafts of the rounds that drafted from ``s``, starting from a prior), and the
+``a_s`` is what earlier rounds of the same request showed: the mean of the accepted drafts
+of the rounds that drafted from ``s``, with the prior counted as ``prior_rounds`` rounds, until
+the newest round's weight falls to ``smoothing``; from there on an exponential average. A
+short memory (the plain exponential average) declines rounds that pay: a drafter that
+averages 0.5-0.7 accepted drafts where the break-even is about a quarter dips below it for
+a few unlucky rounds and then waits for a probe (docs/design.md §21.5). And the
 costs are measured (:class:`DraftCosts`): ``T_verify`` from the SPS table, ``T_draft / T(1)``
 from a drafting round timed beside the target's step (the table's
 :class:`~vlmspec.scheduling.tables.DraftTiming`, or measured when the drafter is loaded),
@@ -82,7 +86,7 @@ class DraftCosts:
 class SourceEvidence:
     """What earlier rounds of one request showed about one draft source."""
 
-    accepted: float  # expected accepted drafts per round it drafts (exponential average, from a prior)
+    accepted: float  # expected accepted drafts per round it drafts (mean from a prior, then exponential)
     wait: int  # idle rounds after which it is probed: grows after rounds where nothing survived
     rounds: int = 0  # rounds it has drafted for this request
     idle: int = 0  # rounds since it last drafted
@@ -93,9 +97,12 @@ class DraftingPolicy:
     """The causal per-request choice of a draft source (see the module docstring).
 
     ``priors``: accepted drafts per round each source is credited with before any evidence;
-    ``smoothing``: weight of the newest round in the average; ``probe_every``: a source
-    idle this many rounds is tried once; ``max_probe_every``: the longest wait between
-    probes of a source whose drafts keep failing (the wait doubles after each such round).
+    ``smoothing``: the least weight of the newest round in the average; ``prior_rounds``: how
+    many rounds the prior counts as while the average is still a mean (None: ``1 / smoothing
+    - 1``, so that every round weighs ``smoothing``: a plain exponential average);
+    ``probe_every``: a source idle this many rounds is tried once; ``max_probe_every``: the
+    longest wait between probes of a source whose drafts keep failing (the wait doubles after
+    each such round).
     """
 
     costs: DraftCosts
@@ -103,10 +110,15 @@ class DraftingPolicy:
     smoothing: float = 0.3
     probe_every: int = 16
     max_probe_every: int = 64
+    prior_rounds: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.smoothing <= 1.0:
             raise ValueError(f"smoothing must lie in (0, 1], got {self.smoothing}")
+        if self.prior_rounds is not None and self.prior_rounds < 0:
+            raise ValueError(
+                f"prior_rounds must be >= 0 rounds (or None for 1 / smoothing - 1), got {self.prior_rounds}"
+            )
         if self.probe_every < 1:
             raise ValueError(f"probe_every must be >= 1 round, got {self.probe_every}")
         if self.max_probe_every < self.probe_every:
@@ -128,9 +140,14 @@ class DraftingPolicy:
             seen.idle = 0 if source == chosen else seen.idle + 1
         if chosen != NONE and accepted is not None:
             seen = evidence[chosen]
-            seen.accepted += self.smoothing * (accepted - seen.accepted)
+            seen.accepted += self.newest_weight(seen.rounds) * (accepted - seen.accepted)
             seen.rounds += 1
             seen.wait = self.probe_every if accepted > 0 else min(2 * seen.wait, self.max_probe_every)
+
+    def newest_weight(self, rounds_before: int) -> float:
+        """The weight of a source's newest round in its average, after ``rounds_before`` earlier rounds."""
+        prior_rounds = 1.0 / self.smoothing - 1.0 if self.prior_rounds is None else self.prior_rounds
+        return max(self.smoothing, 1.0 / (prior_rounds + rounds_before + 1.0))
 
 
 def planned_drafts(accepted: float, offered: int) -> int:
