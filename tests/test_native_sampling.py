@@ -1,4 +1,4 @@
-"""The native sampler (vlmspec/kernels/cpu_sampling.cpp) against the PyTorch reference, draw for draw.
+"""The native sampler (vlmspec/kernels/cpu_sampling.cpp, cpu_rejection.cpp) against the PyTorch reference, draw for draw.
 
 Stated tolerance (see vlmspec.sampling's docstring): the warped probabilities agree to float32
 rounding with the same support, and the draws are the reference's bit for bit given the same

@@ -161,7 +161,7 @@ def native_rejection_from_uniforms(
     target_probs: torch.Tensor,  # [B, gamma + 1, V] float32, on the CPU
     uniforms: torch.Tensor,  # [B, gamma + 1] float64
 ) -> VerifyResult:
-    """:func:`rejection_from_uniforms` in one native call for all rows (``cpu_sampling.cpp``)."""
+    """:func:`rejection_from_uniforms` in one native call for all rows (``cpu_rejection.cpp``)."""
     num_accepted, next_tokens = torch.ops.vlmspec.rejection_sample(
         target_probs, block.draft_probs, block.tokens.long(), block.num_tokens.long(), uniforms.to(torch.float64)
     )

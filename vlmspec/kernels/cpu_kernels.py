@@ -65,7 +65,7 @@ per step; bit for bit the reference's results.
 
 The kernels (``cpu_linear.cpp`` and ``cpu_packed.cpp``: the linears; ``cpu_kernels.cpp``: norm,
 RoPE + KV write and the registrations; ``cpu_attention.cpp``; ``cpu_step.cpp``: the native step;
-``cpu_sampling.cpp``; ``cpu_draft.cpp``, ``cpu_draft_attention.cpp`` and ``cpu_draft_head.cpp``: a DSpark
+``cpu_sampling.cpp`` and ``cpu_rejection.cpp``: the sampler; ``cpu_draft.cpp``, ``cpu_draft_attention.cpp`` and ``cpu_draft_head.cpp``: a DSpark
 drafting round in one call, see :mod:`vlmspec.drafters.dspark.native`; the headers ``cpu_common.h``,
 ``cpu_layers.h`` and ``cpu_draft.h``) are
 compiled on first use, once per machine and torch version, into ``$VLMSPEC_CACHE/kernels``
@@ -106,6 +106,7 @@ SOURCES = tuple(
         "cpu_packed.cpp",
         "cpu_step.cpp",
         "cpu_sampling.cpp",
+        "cpu_rejection.cpp",
         "cpu_draft.cpp",
         "cpu_draft_attention.cpp",
         "cpu_draft_head.cpp",
