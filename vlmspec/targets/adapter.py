@@ -175,7 +175,10 @@ class QwenVLTarget:
 
     @property
     def output_head(self) -> nn.Linear:
-        return self.model.get_output_embeddings()
+        # The families' heads are the model's `lm_head` child: a dict lookup, where get_output_embeddings walks
+        # transformers' accessors (14 us a call; device, dtype and vocab_size read it several times a step).
+        head = self.model._modules.get("lm_head")
+        return head if head is not None else self.model.get_output_embeddings()
 
     @property
     def final_norm(self) -> nn.Module:
