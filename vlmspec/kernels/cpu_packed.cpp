@@ -139,32 +139,24 @@ inline void packed_rows(const T* x, int64_t M, int64_t ldx, const T* w, int64_t 
 }
 
 // x [M, K] (K padded to kPerStep) times packed weights of N outputs, plus the bias: out [M, N] in T.
-// Each thread takes one contiguous share of the blocks of 16 outputs (split_tasks), so that it
-// reads its share of the weights as one sequential stream: one block at a time for one row, in
-// groups of three blocks for more (24 accumulators for 8 rows hide the FMA latency). Measured on
-// the 2-core AVX-512 EPYC, end to end against the groups of four blocks pulled in turn from a shared
-// counter (split_dynamic) that this replaced, interleaved in one process: the target alone 1.16-1.22x
-// in bfloat16 and 1.21x in float32, the defaults 1.07-1.10x (docs/design.md §21.5). Four blocks
-// read side by side are four streams that restart every 18 KB (bfloat16, K = 576), and chunks
-// pulled in turn interleave the two threads' reads; the hardware prefetchers follow one stream a
-// core better. One block keeps one chain of multiply-adds per output, which the bus, not the FMA
-// latency, bounds at one row.
+// Each thread takes one contiguous share of the blocks of 16 outputs (split_tasks) and reads it one
+// block at a time, so that its share of the weights is one sequential stream; a block's MR rows of x
+// are MR independent chains of multiply-adds, and at one row the bus, not the FMA latency, bounds
+// the chain. Measured on the 2-core AVX-512 EPYC against the groups of four blocks (one row) or three
+// (more) pulled in turn from a shared counter (split_dynamic) that this replaced, interleaved in one
+// process: end to end the target alone 1.16-1.22x in bfloat16 and 1.21x in float32, the defaults
+// 1.07-1.10x; every linear once at 2 / 4 / 8 rows 1.09 / 1.14 / 1.14x from the contiguous shares and
+// a further 1.04 / 1.07 / 1.01x from one block at a time (docs/design.md §21.5). Blocks read side by
+// side are streams that restart every 18 KB (bfloat16, K = 576), and chunks pulled in turn interleave
+// the two threads' reads; the hardware prefetchers follow one stream a core better.
 template <typename T>
 void packed_linear(const T* x, int64_t M, int64_t K, const T* w, int64_t N, T* out, const Epilogue& epilogue) {
   const int64_t steps = K / Packed<T>::kPerStep, blocks = (N + kBlock - 1) / kBlock;
   const int64_t block_elems = steps * kBlock * Packed<T>::kPerStep;
-  const int64_t group = M == 1 ? 1 : 3;
-  auto share = [&](int64_t begin, int64_t end) {
-    for (int64_t first = begin; first < end;) {
-      const int64_t count = std::min(group, end - first), n0 = first * kBlock;
-      const T* wg = w + first * block_elems;
-      if (count == 3) packed_rows<3>(x, M, K, wg, steps, out, N, n0, epilogue);
-      else if (count == 2) packed_rows<2>(x, M, K, wg, steps, out, N, n0, epilogue);
-      else packed_rows<1>(x, M, K, wg, steps, out, N, n0, epilogue);
-      first += count;
-    }
-  };
-  split_tasks(0, blocks, 8, share);
+  split_tasks(0, blocks, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block)
+      packed_rows<1>(x, M, K, w + block * block_elems, steps, out, N, block * kBlock, epilogue);
+  });
 }
 }  // namespace avx512
 
@@ -176,7 +168,7 @@ void packed_linear(const T* x, int64_t M, int64_t K, const T* w, int64_t N, T* o
 
 namespace amx {
 // ---- bfloat16 on AMX tiles ----------------------------------------------------------------
-// vdpbf16ps multiplies 16 outputs by one row of x per instruction: the 3-block x 8-row tile
+// vdpbf16ps multiplies 16 outputs by one row of x per instruction: the 8-row tile
 // above is compute-bound from about 8 rows (~115 GFLOPS a core on the AMX Xeon). A tile
 // multiply (tdpbf16ps) takes 16 rows of x against 16 outputs over 32 k at once. The packed
 // bfloat16 layout is already AMX's B-tile layout: 16 consecutive k-pair steps of one block
