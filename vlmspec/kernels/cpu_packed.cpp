@@ -90,35 +90,27 @@ inline void store_out(uint16_t* out, __m512 v, __mmask16 mask) {
   _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(rounded));
 }
 
-// NB blocks of 16 outputs against MR rows of x (rows ldx apart); steps = K / kPerStep. Every
-// output is the same sequence of fused multiply-adds over k whatever NB and MR are, so a row's
-// result does not depend on the other rows of the call or on how the blocks were split.
-template <int NB, int MR, typename T>
+// One block of 16 outputs against MR rows of x (rows ldx apart); steps = K / kPerStep. Every
+// output is the same sequence of fused multiply-adds over k whatever MR is, so a row's result
+// does not depend on the other rows of the call or on how the blocks were split.
+template <int MR, typename T>
 inline void packed_tile(const T* x, int64_t ldx, const T* w, int64_t steps, T* out, int64_t ldo, int64_t n0,
                         int64_t left, const Epilogue& epilogue) {
   using P = Packed<T>;
   constexpr int64_t V = kBlock * P::kPerStep;  // elements of one weight vector
-  __m512 acc[NB][MR];
-  for (int b = 0; b < NB; ++b)
-    for (int m = 0; m < MR; ++m) acc[b][m] = _mm512_setzero_ps();
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t step = 0; step < steps; ++step) {
-    __m512 wv[NB];
-    for (int b = 0; b < NB; ++b) wv[b] = P::weights(w + (b * steps + step) * V);
-    for (int m = 0; m < MR; ++m) {
-      const __m512 xv = P::activation(x + m * ldx, step);
-      for (int b = 0; b < NB; ++b) acc[b][m] = P::fma(acc[b][m], wv[b], xv);
-    }
+    const __m512 wv = P::weights(w + step * V);
+    for (int m = 0; m < MR; ++m) acc[m] = P::fma(acc[m], wv, P::activation(x + m * ldx, step));
   }
-  for (int b = 0; b < NB; ++b) {  // left: outputs of these blocks that exist (the last block may be padding)
-    const int64_t valid = std::min<int64_t>(kBlock, left - b * kBlock);
-    if (valid <= 0) break;
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-    for (int m = 0; m < MR; ++m)
-      store_out(out + m * ldo + b * kBlock, add_bias(epilogue, acc[b][m], n0 + b * kBlock, mask), mask);
-  }
+  // left: outputs from n0 on that exist (the last block may be padding)
+  const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(kBlock, left)) - 1);
+  for (int m = 0; m < MR; ++m) store_out(out + m * ldo, add_bias(epilogue, acc[m], n0, mask), mask);
 }
 
-template <int NB, typename T>
+// One block of 16 outputs (from n0) for all M rows of x, eight rows a tile.
+template <typename T>
 inline void packed_rows(const T* x, int64_t M, int64_t ldx, const T* w, int64_t steps, T* out, int64_t N, int64_t n0,
                         const Epilogue& epilogue) {
   const int64_t left = N - n0;
@@ -126,14 +118,14 @@ inline void packed_rows(const T* x, int64_t M, int64_t ldx, const T* w, int64_t 
     const T* xm = x + m * ldx;
     T* om = out + m * N + n0;
     switch (std::min<int64_t>(8, M - m)) {
-      case 8: packed_tile<NB, 8>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
-      case 7: packed_tile<NB, 7>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
-      case 6: packed_tile<NB, 6>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
-      case 5: packed_tile<NB, 5>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
-      case 4: packed_tile<NB, 4>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
-      case 3: packed_tile<NB, 3>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
-      case 2: packed_tile<NB, 2>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
-      default: packed_tile<NB, 1>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
+      case 8: packed_tile<8>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
+      case 7: packed_tile<7>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
+      case 6: packed_tile<6>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
+      case 5: packed_tile<5>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
+      case 4: packed_tile<4>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
+      case 3: packed_tile<3>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
+      case 2: packed_tile<2>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
+      default: packed_tile<1>(xm, ldx, w, steps, om, N, n0, left, epilogue); break;
     }
   }
 }
@@ -155,7 +147,7 @@ void packed_linear(const T* x, int64_t M, int64_t K, const T* w, int64_t N, T* o
   const int64_t block_elems = steps * kBlock * Packed<T>::kPerStep;
   split_tasks(0, blocks, 8, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block)
-      packed_rows<1>(x, M, K, w + block * block_elems, steps, out, N, block * kBlock, epilogue);
+      packed_rows(x, M, K, w + block * block_elems, steps, out, N, block * kBlock, epilogue);
   });
 }
 }  // namespace avx512
