@@ -254,11 +254,52 @@ def _shipped_table(tmp_path: Path, cpu: str) -> Path:
     return SPSTable((1, 2, 4), (100.0, 90.0, 80.0), meta).save(tmp_path / f"sps-{len(cpu)}.json")
 
 
-def test_machine_sps_table_keeps_a_curve_measured_on_this_cpu(make_target, tmp_path):
+def test_machine_sps_table_keeps_a_curve_measured_on_this_cpu_that_the_spot_check_confirms(
+    make_target, tmp_path, monkeypatch
+):
     from vlmspec.provenance import cpu_signature
 
+    checked = []
+    monkeypatch.setattr(reference, "curve_holds_here", lambda target, table: checked.append(table) or True)
     table = reference.machine_sps_table(make_target("qwen2_vl"), _shipped_table(tmp_path, cpu_signature()))
     assert table.tokens == (1, 2, 4) and table.steps_per_s == (100.0, 90.0, 80.0)
+    assert checked == [table]
+
+
+def test_machine_sps_table_measures_again_on_this_cpu_when_the_spot_check_disagrees(make_target, tmp_path, monkeypatch):
+    from vlmspec.provenance import cpu_signature
+
+    monkeypatch.setattr(reference, "curve_holds_here", lambda target, table: False)
+    table = reference.machine_sps_table(make_target("qwen2_vl"), _shipped_table(tmp_path, cpu_signature()))
+    assert table.tokens == reference.MACHINE_CURVE_TOKENS and table.meta.context_length == 16
+
+
+def test_curve_holds_here_compares_each_counts_extra_cost(make_target, monkeypatch):
+    from vlmspec.scheduling.tables import SPSMeta, SPSTable
+    from vlmspec.targets import profile
+
+    meta = SPSMeta(model="tiny", device="cpu", dtype="float32", context_length=16)
+    shipped = SPSTable((1, 2, 4, 8), (100.0, 80.0, 70.0, 50.0), meta)  # T(2) = 1.25, T(8) = 2.0 T(1)
+    asked = {}
+
+    def spot(steps_per_s):
+        def profile_target(target, **kwargs):
+            asked.update(kwargs)
+            return SPSTable(tuple(kwargs["token_counts"]), steps_per_s, meta)
+
+        return profile_target
+
+    target = make_target("qwen2_vl")
+    # Within 0.05 + 0.2 x the shipped extra cost: T(2) 1.25 +- 0.10, T(8) 2.0 +- 0.25.
+    monkeypatch.setattr(profile, "profile_target", spot((100.0, 100 / 1.34, 100 / 2.24)))
+    assert reference.curve_holds_here(target, shipped)
+    assert asked["token_counts"] == [1, 2, 8] and asked["context_length"] == 16
+    monkeypatch.setattr(profile, "profile_target", spot((100.0, 100 / 1.05, 100 / 2.0)))  # T(2) cheaper here
+    assert not reference.curve_holds_here(target, shipped)
+    monkeypatch.setattr(profile, "profile_target", spot((100.0, 100 / 1.25, 100 / 1.5)))  # T(8) cheaper here
+    assert not reference.curve_holds_here(target, shipped)
+    # A table without the anchor or a second count cannot be checked: measure it.
+    assert not reference.curve_holds_here(target, SPSTable((2, 4), (80.0, 70.0), meta))
 
 
 def test_machine_sps_table_measures_a_curve_from_another_cpu_once(make_target, tmp_path):

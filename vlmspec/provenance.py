@@ -91,6 +91,8 @@ def cpu_info() -> dict[str, Any]:
     else:
         fields = dict(_cpuinfo_field(line) for line in text.splitlines() if ":" in line)
         model = fields.get("model name", platform.machine() or NOT_RECORDED)
+        if "cpu family" in fields and "model" in fields:  # a VM's name ("AMD EPYC") hides the generation
+            model = f"{model} (family {fields['cpu family']}, model {fields['model']})"
         present = set(fields.get("flags", "").split())
         flags = [flag for flag in RELEVANT_CPU_FLAGS if flag in present]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -100,8 +102,11 @@ def cpu_info() -> dict[str, Any]:
 def cpu_signature() -> str:
     """This machine's CPU in one line (model, logical cores, kernel-relevant flags): what a measured cost is tied to.
 
-    Two machines with the same signature run the same kernels at about the same speed, so a cost curve
-    measured on one serves the other (:func:`vlmspec.reference.machine_sps_table`).
+    Two machines with the same signature run the same kernels, so a cost curve measured on one is
+    worth a spot check on the other (:func:`vlmspec.reference.machine_sps_table`), not a new profile.
+    The x86 family and model numbers are part of it: two VMs both named "AMD EPYC" with the same
+    flags verified 8 bfloat16 tokens for 1.31 and 1.63-1.96 one-token steps, and read memory at about 52
+    and 33 GB/s (the second is family 25, model 17: Zen 4; the first did not record its numbers).
     """
     info = cpu_info()
     return f"{info['model']}; {info['cores']} cores; {' '.join(info['flags']) or 'no relevant flags'}"
