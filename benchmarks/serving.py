@@ -106,6 +106,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--variants", default="alone,threshold", help=f"any of {', '.join(VARIANTS)}")
     parser.add_argument("--concurrency", default="1,4,16", help="comma-separated numbers of concurrent clients")
     parser.add_argument("--requests", type=int, default=32, help="requests per cell (per level and variant)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of each level, the variants alternating in order; each round sends other questions, and a "
+        "cell pools its variant's rounds (this machine's speed drifts by a fifth between minutes)",
+    )
     parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (answers are compared)")
     parser.add_argument("--threshold", type=float, default=0.5, help="confidence threshold of the threshold variant")
@@ -130,6 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.levels = [int(v) for v in args.concurrency.split(",") if v.strip()]
     args.variant_list = [v for v in args.variants.split(",") if v]
+    if args.rounds < 1:
+        parser.error(f"--rounds takes a positive integer, got {args.rounds}")
     if not args.levels or min(args.levels) < 1:
         parser.error(f"--concurrency takes positive integers separated by commas, got {args.concurrency!r}")
     if not args.variant_list or set(args.variant_list) - set(VARIANTS):
@@ -197,9 +206,10 @@ def measured_sps(args: argparse.Namespace, out: Path) -> str:
 
 # ---------------------------------------------------------------------------------- clients
 def chat_requests(args: argparse.Namespace) -> list[dict]:
-    """The cell's request bodies: prompt-set questions, every other one an image question (data URL) when mixed."""
+    """Every round's request bodies (``--requests`` a round): prompt-set questions, every other one an image
+    question (data URL) when mixed."""
     bodies = []
-    for task in workload(args, args.requests):
+    for task in workload(args, args.requests * args.rounds):
         parts = [{"type": "image_url", "image_url": {"url": image_data_url(image)}} for image in task.images]
         parts.append({"type": "text", "text": task.prompt})
         bodies.append(
@@ -288,18 +298,27 @@ def main(argv: list[str] | None = None) -> int:
         args.variant_list = [v for v in args.variant_list if v in servers]
         cells = []
         for level in args.levels:
-            results = {}
-            for variant in run_order(args.variant_list, level):
-                wall_s, timings = asyncio.run(run_cell(servers[variant].url, bodies, level))
-                results[variant] = timings
-                cell = {"concurrency": level, "variant": variant, **cell_metrics(wall_s, timings)}
-                cell["texts"] = [t.text for t in timings]  # what "identical" compared
+            results, walls, by_round = {}, {}, {}
+            for round_index in range(args.rounds):
+                # Each round its own questions: a prefix cache holds the last round's prompts.
+                sent = bodies[round_index * args.requests : (round_index + 1) * args.requests]
+                for variant in run_order(args.variant_list, round_index if args.rounds > 1 else level):
+                    wall_s, timings = asyncio.run(run_cell(servers[variant].url, sent, level))
+                    results.setdefault(variant, []).extend(timings)
+                    walls[variant] = walls.get(variant, 0.0) + wall_s
+                    one = cell_metrics(wall_s, timings)
+                    by_round.setdefault(variant, []).append(one["tokens_per_s"])
+                    log(
+                        f"N={level:3d} round {round_index + 1}/{args.rounds} {variant:10s} "
+                        f"{one['requests_per_s']:6.2f} req/s {one['tokens_per_s']:7.1f} tok/s "
+                        f"TTFT p50 {format_number(one['ttft_p50_s'])} s, TPOT p50 {format_number(one['tpot_p50_s'], 3)} s, "
+                        f"errors {one['errors']}"
+                    )
+            for variant in args.variant_list:  # a cell pools its rounds: their tokens over their summed wall time
+                cell = {"concurrency": level, "variant": variant, **cell_metrics(walls[variant], results[variant])}
+                cell["round_tokens_per_s"] = by_round[variant]
+                cell["texts"] = [t.text for t in results[variant]]  # what "identical" compared
                 cells.append(cell)
-                log(
-                    f"N={level:3d} {variant:10s} {cell['requests_per_s']:6.2f} req/s {cell['tokens_per_s']:7.1f} tok/s "
-                    f"TTFT p50 {format_number(cell['ttft_p50_s'])} s, TPOT p50 {format_number(cell['tpot_p50_s'], 3)} s, "
-                    f"errors {cell['errors']}"
-                )
             compare(cells, results, level, args)
     finally:
         for server in servers.values():
@@ -333,7 +352,9 @@ def write_outputs(out: Path, args: argparse.Namespace, cells: list[dict[str, Any
         for c in cells
     ]
     note = (
-        f"target {args.target}, drafter {args.drafter}, {args.dtype}; {args.requests} requests per cell, "
+        f"target {args.target}, drafter {args.drafter}, {args.dtype}; {args.requests} requests per cell"
+        + (f" and round ({args.rounds} rounds pooled, the variants alternating)" if args.rounds > 1 else "")
+        + ", "
         f"{describe_workload(args)}; max_tokens {args.max_tokens}, temperature {args.temperature}; clients stream"
         + "".join(f"\n- {variant} skipped: {why}" for variant, why in args.skipped.items())
     )
