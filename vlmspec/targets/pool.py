@@ -83,8 +83,9 @@ class KVPool:
         self.keys: list[torch.Tensor] = [self._zeros(first) for _ in range(num_layers)]  # per layer [N, Hkv, bs, hd]
         self.values: list[torch.Tensor] = [self._zeros(first) for _ in range(num_layers)]
         self._free = list(range(first - 1, -1, -1))  # a stack: the lowest ids are handed out first
-        # Per block [N, bs, F]: the hooked target features of each slot's token (the drafter's context).
-        self.features = self._zeros(first, (block_size, feature_width)) if feature_width else None
+        # Per block [N, bs, F]: the hooked target features of each slot's token (the drafter's context). Only a
+        # committed slot's features are ever read (no product runs over the plane), so it is not zeroed.
+        self.features = self._empty(first, (block_size, feature_width)) if feature_width else None
         self._refs = [0] * first  # rows (block tables) holding each block
         self.prefix = PrefixIndex() if prefix_caching else None
 
@@ -203,7 +204,7 @@ class KVPool:
                 new[:have] = old
                 tensors[i] = new
         if self.features is not None:
-            grown = self._zeros(target, self.features.shape[1:])
+            grown = self._empty(target, self.features.shape[1:])
             grown[:have] = self.features
             self.features = grown
         self._refs += [0] * (target - have)
@@ -211,6 +212,9 @@ class KVPool:
 
     def _zeros(self, blocks: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         return torch.zeros(blocks, *(shape or self._shape), dtype=self._dtype, device=self._device)
+
+    def _empty(self, blocks: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.empty(blocks, *shape, dtype=self._dtype, device=self._device)
 
 
 class PrefixIndex:
