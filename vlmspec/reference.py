@@ -179,7 +179,6 @@ def machine_sps_table(target, shipped: str | os.PathLike | None = None):
     """
     from vlmspec.provenance import cpu_signature
     from vlmspec.scheduling.tables import load_sps_table
-    from vlmspec.targets.profile import profile_target
 
     dtype = "bfloat16" if target.dtype == torch.bfloat16 else "float32"
     path = Path(shipped) if shipped is not None else reference_sps_table(dtype)
@@ -191,16 +190,7 @@ def machine_sps_table(target, shipped: str | os.PathLike | None = None):
             why = "does not match this machine's spot check"
         if why is not None:
             started = time.perf_counter()
-            with warnings.catch_warnings():  # a jagged curve on a busy machine is fitted monotone; no advice to give
-                warnings.simplefilter("ignore", RuntimeWarning)
-                table = profile_target(
-                    target,
-                    max_tokens=MACHINE_CURVE_TOKENS[-1],
-                    context_length=table.meta.context_length or 256,
-                    token_counts=MACHINE_CURVE_TOKENS,
-                    warmup=2,
-                    repeats=7,
-                )
+            table = _profile_quietly(target, table.meta.context_length, MACHINE_CURVE_TOKENS, repeats=7)
             LOG.info(
                 "measured the target's verify costs on this machine in %.1f s (%s %s): T(2) = %.2f, T(8) = %.2f T(1)",
                 time.perf_counter() - started,
@@ -221,27 +211,35 @@ def curve_holds_here(target, table, *, tolerance: float = 0.05, relative: float 
     ``relative`` times the table's of the table's. The policy's break-even moves with ``T(2)``
     and ``T_draft`` one for one, so 0.05 of a step is about a tenth of the usual margin.
     """
-    from vlmspec.targets.profile import profile_target
-
     counts = [n for n in SPOT_CHECK_TOKENS if n in table.tokens]
     if len(counts) < 2 or counts[0] != 1:
         return False
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        spot = profile_target(
-            target,
-            max_tokens=counts[-1],
-            context_length=table.meta.context_length or 256,
-            token_counts=counts,
-            warmup=2,
-            repeats=SPOT_CHECK_REPEATS,
-        )
+    spot = _profile_quietly(target, table.meta.context_length, counts, repeats=SPOT_CHECK_REPEATS)
     for n in counts[1:]:
         shipped, measured = table.sps(1) / table.sps(n) - 1.0, spot.sps(1) / spot.sps(n) - 1.0
         if abs(measured - shipped) > tolerance + relative * shipped:
             LOG.info("the SPS table's T(%d) = %.2f T(1), measured here %.2f", n, 1 + shipped, 1 + measured)
             return False
     return True
+
+
+def _profile_quietly(target, context_length: int | None, counts, *, repeats: int):
+    """The runner's verify curve at ``counts`` tokens over ``context_length`` cached ones (256 if unknown).
+
+    A jagged curve on a busy machine is fitted monotone; here there is no advice to give, so no warning.
+    """
+    from vlmspec.targets.profile import profile_target
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return profile_target(
+            target,
+            max_tokens=max(counts),
+            context_length=context_length or 256,
+            token_counts=list(counts),
+            warmup=2,
+            repeats=repeats,
+        )
 
 
 def reference_drafter_dir(name: str = "reference") -> Path:
