@@ -202,7 +202,7 @@ def reference_costs(model: Proposer, target: QwenVLTarget, drafter: str = REFERE
     """The drafting policy's costs for ``model`` on the reference target, in the target's dtype: measured.
 
     ``T_verify(n) / T(1)`` is the reference SPS curve on this machine (:func:`vlmspec.reference.machine_sps_table`:
-    the shipped one where it was measured on this CPU, else measured now).
+    the shipped one where it was measured on this CPU and a spot check agrees, else measured now).
     ``T_draft / T(1)`` is the round the table carries (``vlmspec profile --drafter``) when it was
     timed for ``drafter``; otherwise (a table profiled without it, or another drafter) it is
     timed now, a second or so beside the target's step

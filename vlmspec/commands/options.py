@@ -153,8 +153,8 @@ def reference_defaults(args, target=None) -> dict:
     """The SPS table and calibration for the scheduler: the ones measured for the reference pair, unless given.
 
     The reference pair's table is its curve on this machine when ``target`` (the loaded reference target) is
-    given (:func:`vlmspec.reference.machine_sps_table`: the shipped one if it was measured on this CPU, else
-    measured now), else the shipped one.
+    given (:func:`vlmspec.reference.machine_sps_table`: the shipped one if it was measured on this CPU and a
+    spot check agrees, else measured now), else the shipped one.
 
     With another target and no ``--sps``, a hardware-aware scheduler is refused with the command that measures one.
     A scheduler that reads confidences sees them calibrated: ``--calibration``, or a reference drafter's own.
