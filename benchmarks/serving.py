@@ -302,17 +302,17 @@ def main(argv: list[str] | None = None) -> int:
             for round_index in range(args.rounds):
                 # Each round its own questions: a prefix cache holds the last round's prompts.
                 sent = bodies[round_index * args.requests : (round_index + 1) * args.requests]
-                for variant in run_order(args.variant_list, round_index if args.rounds > 1 else level):
+                for variant in run_order(args.variant_list, level * args.rounds + round_index):
                     wall_s, timings = asyncio.run(run_cell(servers[variant].url, sent, level))
                     results.setdefault(variant, []).extend(timings)
                     walls[variant] = walls.get(variant, 0.0) + wall_s
-                    one = cell_metrics(wall_s, timings)
-                    by_round.setdefault(variant, []).append(one["tokens_per_s"])
+                    this_round = cell_metrics(wall_s, timings)
+                    by_round.setdefault(variant, []).append(this_round["tokens_per_s"])
                     log(
                         f"N={level:3d} round {round_index + 1}/{args.rounds} {variant:10s} "
-                        f"{one['requests_per_s']:6.2f} req/s {one['tokens_per_s']:7.1f} tok/s "
-                        f"TTFT p50 {format_number(one['ttft_p50_s'])} s, TPOT p50 {format_number(one['tpot_p50_s'], 3)} s, "
-                        f"errors {one['errors']}"
+                        f"{this_round['requests_per_s']:6.2f} req/s {this_round['tokens_per_s']:7.1f} tok/s "
+                        f"TTFT p50 {format_number(this_round['ttft_p50_s'])} s, "
+                        f"TPOT p50 {format_number(this_round['tpot_p50_s'], 3)} s, errors {this_round['errors']}"
                     )
             for variant in args.variant_list:  # a cell pools its rounds: their tokens over their summed wall time
                 cell = {"concurrency": level, "variant": variant, **cell_metrics(walls[variant], results[variant])}

@@ -167,7 +167,7 @@ def machine_sps_table(target, shipped: str | os.PathLike | None = None):
 
     ``shipped`` (default: :func:`reference_sps_table` in the target's dtype) is returned as it is when it
     was measured on a CPU with this machine's :func:`~vlmspec.provenance.cpu_signature` and a spot check
-    agrees with it (:func:`curve_holds_here`: ``T(n) / T(1)`` at :data:`SPOT_CHECK_TOKENS`, about half a
+    agrees with it (:func:`curve_holds_here`: ``T(n) / T(1)`` at :data:`SPOT_CHECK_TOKENS`, about a
     second). Otherwise (another CPU, a table that does not say, or the same CPU with other costs) the curve
     is measured now, once per target and process: the runner's verify forward at
     :data:`MACHINE_CURVE_TOKENS` tokens over the table's cached tokens, about two seconds on a CPU. A
@@ -207,8 +207,8 @@ def curve_holds_here(target, table, *, tolerance: float = 0.05, relative: float 
     """Whether ``table``'s verify costs hold on this machine: a spot check of ``T(n) / T(1)`` at
     :data:`SPOT_CHECK_TOKENS` (the runner's forward over the table's cached tokens, interleaved).
 
-    A count holds when its measured extra cost ``T(n) / T(1) - 1`` lies within ``tolerance`` plus
-    ``relative`` times the table's of the table's. The policy's break-even moves with ``T(2)``
+    A count holds when its measured extra cost ``T(n) / T(1) - 1`` differs from the table's by at most
+    ``tolerance + relative * (the table's extra cost)``. The policy's break-even moves with ``T(2)``
     and ``T_draft`` one for one, so 0.05 of a step is about a tenth of the usual margin.
     """
     counts = [n for n in SPOT_CHECK_TOKENS if n in table.tokens]
