@@ -41,6 +41,31 @@ def test_a_bounded_pool_grows_to_its_bound_and_no_further():
     assert len(kv.allocate(1)) == 1 and kv.num_blocks == 5
 
 
+def test_a_bounded_pool_grows_in_place_and_zeroes_a_block_at_its_first_use():
+    kv = pool(initial_blocks=2, max_blocks=64)
+    storage = [t.data_ptr() for t in (*kv.keys, *kv.values)]
+    for tensor in (*kv.keys, *kv.values):
+        tensor.fill_(float("nan"))  # what reserved memory may hold before a block's first use
+    blocks = kv.allocate(2)
+    kv.keys[0][blocks[0]] = 3.0
+    more = kv.allocate(20)  # grows 2 -> 22 blocks: in place, no copy
+    assert kv.num_blocks >= 22 and [t.data_ptr() for t in (*kv.keys, *kv.values)] == storage
+    assert bool((kv.keys[0][blocks[0]] == 3.0).all())
+    for tensor in (*kv.keys, *kv.values):
+        assert bool((tensor[blocks[1:] + more] == 0).all())  # zeroed when handed out, NaN-free
+    kv.free(more)
+    again = kv.allocate(3)  # reused blocks keep what they hold (rows overwrite before they read)
+    assert set(again) <= set(more)
+
+
+def test_an_unbounded_pool_keeps_its_written_blocks_when_it_moves():
+    kv = pool(initial_blocks=2)
+    blocks = kv.allocate(2)
+    kv.values[1][blocks[1]] = 5.0
+    kv.allocate(7)  # 9 blocks: new storage of at least 9, the two written blocks copied
+    assert kv.keys[0].shape[0] >= 9 and bool((kv.values[1][blocks[1]] == 5.0).all())
+
+
 def test_block_sizes_the_kernel_cannot_read_are_refused():
     for size in (8, 24):
         with pytest.raises(ValueError, match="power of two"):

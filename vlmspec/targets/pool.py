@@ -16,8 +16,13 @@ stays a change of length: the next forward writes over the rejected slots.
 Blocks are handed out from a free list; the pool grows (doubling its block count, up to
 ``max_blocks``) only when the free list runs dry, so an unbounded pool holds about what its
 rows use, and a bounded one never more than ``max_blocks`` blocks (its bytes:
-:meth:`KVPool.bytes_per_block`). Blocks start zeroed and only ever hold finite values, so a
-masked slot cannot leak a NaN into a product.
+:meth:`KVPool.bytes_per_block`). A bounded pool reserves its ``max_blocks`` at once as
+address space the operating system backs only when written (``torch.empty``), and growing
+it copies nothing: a copy of a pool grown near a large budget would stall every running
+stream for seconds and hold the old and the new storage at once (1.5x the budget). An
+unbounded pool grows into a new reservation of twice the blocks, copying what it held.
+A block is zeroed when first handed out (then only ever holds finite values), so a masked
+slot cannot leak a NaN into a product, and memory is touched only as far as blocks are used.
 
 Why 16 slots a block (the default): the kernel reads 16 slots at a time from one block, so
 16 is the smallest block it takes (a power of two, a multiple of 16); a smaller block wastes
@@ -80,19 +85,22 @@ class KVPool:
         self._dtype, self._device = dtype, torch.device(device)
         self._num_layers = num_layers
         first = max(1, initial_blocks if max_blocks is None else min(initial_blocks, max_blocks))
-        self.keys: list[torch.Tensor] = [self._zeros(first) for _ in range(num_layers)]  # per layer [N, Hkv, bs, hd]
-        self.values: list[torch.Tensor] = [self._zeros(first) for _ in range(num_layers)]
+        reserved = first if max_blocks is None else max_blocks  # storage's blocks; [num_blocks:] not in service
+        self.keys: list[torch.Tensor] = [self._empty(reserved) for _ in range(num_layers)]  # per layer [N, Hkv, bs, hd]
+        self.values: list[torch.Tensor] = [self._empty(reserved) for _ in range(num_layers)]
+        self._num_blocks = first
+        self._zeroed = 0  # blocks [0, _zeroed) have been zeroed (see allocate)
         self._free = list(range(first - 1, -1, -1))  # a stack: the lowest ids are handed out first
         # Per block [N, bs, F]: the hooked target features of each slot's token (the drafter's context). Only a
         # committed slot's features are ever read (no product runs over the plane), so it is not zeroed.
-        self.features = self._empty(first, (block_size, feature_width)) if feature_width else None
+        self.features = self._empty(reserved, (block_size, feature_width)) if feature_width else None
         self._refs = [0] * first  # rows (block tables) holding each block
         self.prefix = PrefixIndex() if prefix_caching else None
 
     @property
     def num_blocks(self) -> int:
         """Blocks the pool holds now (free or in use)."""
-        return self.keys[0].shape[0]
+        return self._num_blocks
 
     @property
     def num_free(self) -> int:
@@ -141,6 +149,7 @@ class KVPool:
         del self._free[-count:]
         for block in taken:
             self._refs[block] = 1
+        self._zero_through(max(taken))
         return taken
 
     def free(self, blocks: list[int]) -> None:
@@ -193,28 +202,43 @@ class KVPool:
             self._free[:0] = self.prefix.evict(short)
 
     def _grow(self, needed: int) -> None:
-        """Hold at least ``needed`` blocks (at most ``max_blocks``, which :meth:`_make_room` checked): double."""
+        """Hold at least ``needed`` blocks (at most ``max_blocks``, which :meth:`_make_room` checked): double.
+
+        A bounded pool's storage is reserved already: growing puts more of it in service. An unbounded one
+        moves to storage twice the size (copying its zeroed blocks; the rest were never written)."""
         have = self.num_blocks
         target = max(needed, 2 * have)
         if self.max_blocks is not None:
             target = min(target, self.max_blocks)
-        for tensors in (self.keys, self.values):
-            for i, old in enumerate(tensors):
-                new = self._zeros(target)  # zeros: see the module docstring
-                new[:have] = old
-                tensors[i] = new
-        if self.features is not None:
-            grown = self._empty(target, self.features.shape[1:])
-            grown[:have] = self.features
-            self.features = grown
+        if target > self.keys[0].shape[0]:
+            self._reserve(target)
+        self._num_blocks = target
         self._refs += [0] * (target - have)
         self._free[:0] = range(target - 1, have - 1, -1)  # below the free stack's top: old free blocks go first
 
-    def _zeros(self, blocks: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        return torch.zeros(blocks, *(shape or self._shape), dtype=self._dtype, device=self._device)
+    def _reserve(self, blocks: int) -> None:
+        """Move to storage of ``blocks`` blocks, keeping what the written blocks hold."""
+        written = self._zeroed
+        for tensors in (self.keys, self.values):
+            for i, old in enumerate(tensors):
+                new = self._empty(blocks)
+                new[:written] = old[:written]
+                tensors[i] = new
+        if self.features is not None:
+            grown = self._empty(blocks, self.features.shape[1:])
+            grown[:written] = self.features[:written]
+            self.features = grown
 
-    def _empty(self, blocks: int, shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.empty(blocks, *shape, dtype=self._dtype, device=self._device)
+    def _zero_through(self, block: int) -> None:
+        """Zero every block up to ``block`` not zeroed yet: their first use (blocks go out lowest first)."""
+        if block < self._zeroed:
+            return
+        for tensor in (*self.keys, *self.values):
+            tensor[self._zeroed : block + 1].zero_()
+        self._zeroed = block + 1
+
+    def _empty(self, blocks: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        return torch.empty(blocks, *(shape or self._shape), dtype=self._dtype, device=self._device)
 
 
 class PrefixIndex:
