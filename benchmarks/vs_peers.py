@@ -97,8 +97,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling")
     parser.add_argument("--seed", type=int, default=0, help="with --temperature: question i samples with seed + i")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every question N times, each time in another order of the engines; a question's seconds are "
+        "summed over its runs (this machine's speed moves by a fifth within minutes)",
+    )
     parser.add_argument("--out", default="runs/vs-peers")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> Path:
@@ -163,11 +173,15 @@ def main(argv: Sequence[str] | None = None) -> Path:
             run(0)
         results = {name: {"tokens": [], "seconds": [], "tau": []} for name in variants}
         for i, _ in enumerate(tasks):
-            for name in run_order(list(variants), i):
-                tick = time.perf_counter()
-                output = variants[name](i)
-                results[name]["seconds"].append(time.perf_counter() - tick)
-                record(results[name], output)
+            runs = {name: {"tokens": [], "seconds": [], "tau": []} for name in variants}
+            for k in range(args.rounds):
+                for name in run_order(list(variants), i * args.rounds + k):
+                    tick = time.perf_counter()
+                    output = variants[name](i)
+                    runs[name]["seconds"].append(time.perf_counter() - tick)
+                    record(runs[name], output)
+            for name, run in runs.items():
+                pool_runs(results[name], run)
             print(f"[vs-peers] question {i + 1}/{len(tasks)} done", flush=True)
     finally:
         for _, server in servers:
@@ -209,11 +223,16 @@ def main(argv: Sequence[str] | None = None) -> Path:
     table = markdown_table(HEADERS, rows)
     by_class = per_class_table(tasks, results)
     notes = "".join(f"\n- {peer} skipped: {why}" for peer, why in skipped.items())
+    notes += "".join(
+        f"\n- {name}: {r['repeats_differ']} of its repeated runs answered otherwise than its first"
+        for name, r in results.items()
+        if r.get("repeats_differ")
+    )
     print(f"{table}\n\n{by_class}{notes}")
     write_text(
         out / "table.md",
-        f"dtype {args.dtype}, {len(tasks)} questions, batch 1, {decoding_name(args)}, {args.max_new_tokens} new "
-        "tokens; "
+        f"dtype {args.dtype}, {len(tasks)} questions{runs_note(args.rounds)}, batch 1, {decoding_name(args)}, "
+        f"{args.max_new_tokens} new tokens; "
         f"llama.cpp tok/s: client wall time, prefill included{notes}\n\n{table}\n\n"
         f"tok/s per prompt class (ratio to vlmspec's target alone)\n\n{by_class}\n",
     )
@@ -279,6 +298,22 @@ def record(result: dict, output) -> None:
         result.setdefault("sources", []).append(output.stats.rounds_by_source)
 
 
+def pool_runs(result: dict, runs: dict) -> None:
+    """One question's runs (``--rounds``) into its row as one entry: the first run's answer, the mean run's
+    seconds (so tok/s pools every run) and tau; ``repeats_differ`` counts the runs whose answer was not the
+    first's (a greedy engine repeats its answer; a sampled one draws with the question's seed each time)."""
+    first, rounds = runs["tokens"][0], len(runs["tokens"])
+    result["tokens"].append(first)
+    result["seconds"].append(sum(runs["seconds"]) / rounds)  # the mean run: tok/s of every run pooled
+    if runs["tau"]:
+        result["tau"].append(sum(runs["tau"]) / len(runs["tau"]))
+    for key in ("timings", "sources"):
+        if key in runs:
+            result.setdefault(key, []).append(runs[key][0])
+    differ = sum(tokens != first for tokens in runs["tokens"][1:])
+    result["repeats_differ"] = result.get("repeats_differ", 0) + differ
+
+
 def best_of(results: dict, picked) -> float | None:
     """The highest tok/s among the rows whose name ``picked`` accepts (None when there is none)."""
     return max((tok_per_s(r) for n, r in results.items() if picked(n)), default=None)
@@ -324,6 +359,10 @@ def sampling(args: argparse.Namespace, question: int) -> dict[str, float] | None
 
 def decoding_name(args: argparse.Namespace) -> str:
     return "greedy" if args.temperature <= 0 else f"sampled (temperature {args.temperature}, top-p {args.top_p})"
+
+
+def runs_note(rounds: int) -> str:
+    return "" if rounds == 1 else f" run {rounds} times each (engines in a new order each time; tok/s pools the runs)"
 
 
 def mean_tau(result: dict) -> float | None:

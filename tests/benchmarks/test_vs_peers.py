@@ -23,8 +23,9 @@ PROMPTS = "tests/fixtures/mt-bench-mini.jsonl"
 def test_a_tiny_run_without_peers_writes_the_table_and_counts_identity(tmp_path):
     argv = ["--prompt-set", PROMPTS, "--num-questions", "1", "--max-new-tokens", "6", "--no-vllm", "--no-llama-cpp"]
     previous = ["--previous-drafter", str(reference_drafter_dir("reference"))]  # before and after: the rows exist
-    out = vs_peers.main([*argv, *previous, "--out", str(tmp_path)])
+    out = vs_peers.main([*argv, *previous, "--rounds", "2", "--out", str(tmp_path)])
     table = (out / "table.md").read_text()
+    assert "run 2 times each" in table and "answered otherwise" not in table  # greedy answers repeat
     assert "transformers generate()" in table and "vlmspec target alone (fast runner)" in table
     assert f"{vs_peers.DEFAULTS} (previous drafter)" in table
     assert f"{vs_peers.DSPARK_EVERY_ROUND} (previous drafter)" in table
@@ -85,6 +86,19 @@ def test_a_llama_server_answer_is_recorded_with_the_clients_wall_time():
     row = {"tokens": [], "seconds": [2.0], "tau": []}
     vs_peers.record(row, [1, 2, 3])  # transformers: token ids
     assert row == {"tokens": [[1, 2, 3]], "seconds": [2.0], "tau": []}
+
+
+def test_a_questions_repeated_runs_pool_into_one_entry_and_count_other_answers():
+    row = {"tokens": [], "seconds": [], "tau": []}
+    runs = {"tokens": [[1, 2], [1, 2], [1, 3]], "seconds": [1.0, 2.0, 3.0], "tau": [1.5, 2.0, 2.5]}
+    vs_peers.pool_runs(row, runs)
+    assert row["tokens"] == [[1, 2]] and row["seconds"] == [2.0] and row["tau"] == [2.0]
+    assert row["repeats_differ"] == 1 and vs_peers.tok_per_s(row) == 1.0  # 2 tokens a 2-second mean run
+
+
+def test_rounds_below_one_are_refused():
+    with pytest.raises(SystemExit):
+        vs_peers.parse_args(["--rounds", "0"])
 
 
 def test_completion_requests_are_greedy_uncached_token_prompts():
