@@ -171,18 +171,21 @@ def main(argv: Sequence[str] | None = None) -> Path:
     try:
         for run in variants.values():  # warm-up: first-call costs (packing the weights, allocators)
             run(0)
-        results = {name: {"tokens": [], "seconds": [], "tau": []} for name in variants}
-        for i, _ in enumerate(tasks):
-            runs = {name: {"tokens": [], "seconds": [], "tau": []} for name in variants}
-            for k in range(args.rounds):
+        runs = [{name: {"tokens": [], "seconds": [], "tau": []} for name in variants} for _ in tasks]
+        for k in range(args.rounds):
+            if k:  # llama-server's n-gram-mod keeps what it saw across requests: every round starts it afresh
+                restart_llama_servers(servers, variants)
+            for i, _ in enumerate(tasks):
                 for name in run_order(list(variants), i * args.rounds + k):
                     tick = time.perf_counter()
                     output = variants[name](i)
-                    runs[name]["seconds"].append(time.perf_counter() - tick)
-                    record(runs[name], output)
-            for name, run in runs.items():
+                    runs[i][name]["seconds"].append(time.perf_counter() - tick)
+                    record(runs[i][name], output)
+                print(f"[vs-peers] {round_name(k, args.rounds)}question {i + 1}/{len(tasks)} done", flush=True)
+        results = {name: {"tokens": [], "seconds": [], "tau": []} for name in variants}
+        for question in runs:
+            for name, run in question.items():
                 pool_runs(results[name], run)
-            print(f"[vs-peers] question {i + 1}/{len(tasks)} done", flush=True)
     finally:
         for _, server in servers:
             server.stop()
@@ -252,8 +255,11 @@ def drafter_engines(target, drafter_dir: Path):
     The reference pair's serving defaults: SPS on the target's curve measured on this machine, the drafter's calibrated
     confidences; the defaults add n-gram and corpus copies under the drafting policy; DSpark alone is what
     ``reference-dspark`` loads (the policy, no copies), with measured drafting costs.
+    Prefix caching is off: every question is a new prompt, and a repeated one (the warm-up, ``--rounds``,
+    the target alone and the defaults sharing an engine) must not find its prefill cached.
     """
     from vlmspec import SpecEngine
+    from vlmspec.drafters.base import Proposer
     from vlmspec.drafters.dspark import DSparkDrafter, DSparkProposer
     from vlmspec.loading import reference_alone, reference_hybrid
     from vlmspec.reference import machine_sps_table, reference_drafter_dir
@@ -267,9 +273,13 @@ def drafter_engines(target, drafter_dir: Path):
         return DSparkProposer(DSparkDrafter.from_pretrained(drafter_dir, target=target))
 
     drafter = "reference-dspark" if Path(drafter_dir) == reference_drafter_dir("reference-dspark") else str(drafter_dir)
-    defaults = SpecEngine(target, reference_hybrid(proposer(), target, drafter=drafter), scheduler)
-    alone = SpecEngine(target, reference_alone(proposer(), target, drafter=drafter), scheduler)
-    return defaults, SpecEngine(target, proposer(), scheduler), alone
+
+    def engine(proposer: Proposer) -> SpecEngine:
+        return SpecEngine(target, proposer, scheduler, prefix_caching=False)
+
+    defaults = engine(reference_hybrid(proposer(), target, drafter=drafter))
+    alone = engine(reference_alone(proposer(), target, drafter=drafter))
+    return defaults, engine(proposer()), alone
 
 
 HEADERS = [
@@ -296,6 +306,18 @@ def record(result: dict, output) -> None:
     if not isinstance(output, list):
         result["tau"].append(output.stats.tau)
         result.setdefault("sources", []).append(output.stats.rounds_by_source)
+
+
+def restart_llama_servers(servers: list, variants: dict) -> None:
+    """Stop and start every llama-server, then warm each up on question 0 as before the first round."""
+    for name, server in servers:
+        server.stop()
+        server.start()
+        variants[name](0)
+
+
+def round_name(k: int, rounds: int) -> str:
+    return "" if rounds == 1 else f"round {k + 1}/{rounds}, "
 
 
 def pool_runs(result: dict, runs: dict) -> None:
