@@ -101,8 +101,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--rounds",
         type=int,
         default=1,
-        help="run every question N times, each time in another order of the engines; a question's seconds are "
-        "summed over its runs (this machine's speed moves by a fifth within minutes)",
+        help="run every question N times, one round of all questions after another, the engines in another order "
+        "each time; tok/s pools the runs (this machine's speed moves by a fifth within minutes)",
     )
     parser.add_argument("--out", default="runs/vs-peers")
     args = parser.parse_args(argv)
