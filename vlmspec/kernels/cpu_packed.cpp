@@ -93,13 +93,14 @@ inline void store_out(uint16_t* out, __m512 v, __mmask16 mask) {
 // Calls with many rows: a step's multiply-adds then take as long as its 64 bytes of weights, the
 // hardware prefetchers run too little ahead of the stream, and the loads' wait and the multiply-adds
 // add up instead of overlapping. A software prefetch into L2, 8 KB ahead of the stream, restores the
-// overlap. It pays from 7 rows of bfloat16 (two products per lane a step) and 14 of float32: measured
-// on the 2-core Zen 4 EPYC over a whole target's packed linears (the reference's, LM head included),
-// on and off in turn in one process, off/on: bfloat16 8 rows 1.16x, 12 rows 1.35x, 16 rows 1.42x,
-// float32 16 rows 1.22x. Below that it measured 0.94-0.99x (bfloat16 1-6 rows, float32 1-7) and
-// float32 8 rows 1.03-1.05x, so fewer rows keep the hardware's prefetch alone. (In L1 or L2 the
-// 8-row tile runs at 220 of the 233 GMAC/s of two cores' vdpbf16ps: the loss was the overlap.)
-constexpr int64_t kPrefetchFromProducts = 14;  // rows x products per lane a step
+// overlap. Measured on the 2-core Zen 4 EPYC over a whole target's packed linears (the reference's,
+// LM head included), on and off in turn in one process, off/on: bfloat16 8 rows 1.16x, 12 rows 1.35x,
+// 16 rows 1.42x; float32 8 rows 1.01-1.05x in a fast spell of memory and 1.66x in a slow one (19.8
+// against 33.1 GB/s), 16 rows 1.22x. Below that it measured 0.94-0.99x (bfloat16 1-6 rows, float32
+// 1-7), so fewer rows keep the hardware's prefetch alone. (In L1 or L2 the 8-row tile runs at 220 of
+// the 233 GMAC/s of two cores' vdpbf16ps: the loss was the overlap.)
+template <typename T>
+constexpr int64_t kPrefetchFromRows = Packed<T>::kPerStep == 2 ? 7 : 8;
 constexpr int64_t kPrefetchBytes = 8192;
 
 // One block of 16 outputs against MR rows of x (rows ldx apart); steps = K / kPerStep. Every
@@ -128,7 +129,7 @@ template <typename T>
 inline void packed_rows(const T* x, int64_t M, int64_t ldx, const T* w, int64_t steps, T* out, int64_t N, int64_t n0,
                         const Epilogue& epilogue) {
   const int64_t left = N - n0;
-  const bool prefetch = M * Packed<T>::kPerStep >= kPrefetchFromProducts;
+  const bool prefetch = M >= kPrefetchFromRows<T>;
   for (int64_t m = 0; m < M; m += 8) {
     const T* xm = x + m * ldx;
     T* om = out + m * N + n0;
