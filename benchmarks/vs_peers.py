@@ -260,8 +260,8 @@ def drafter_engines(target, drafter_dir: Path):
     """
     from vlmspec import SpecEngine
     from vlmspec.drafters.base import Proposer
-    from vlmspec.drafters.dspark import DSparkDrafter, DSparkProposer
-    from vlmspec.loading import reference_alone, reference_hybrid
+    from vlmspec.drafters.dspark import DSparkProposer
+    from vlmspec.loading import model_proposer, reference_alone, reference_hybrid
     from vlmspec.reference import machine_sps_table, reference_drafter_dir
     from vlmspec.scheduling.factory import build_scheduler
 
@@ -269,8 +269,10 @@ def drafter_engines(target, drafter_dir: Path):
         raise FileNotFoundError(f"{drafter_dir} holds no DSpark drafter (config.json); pass a saved drafter directory")
     scheduler = build_scheduler("sps", sps=machine_sps_table(target), calibration=drafter_dir)
 
-    def proposer() -> DSparkProposer:  # one per engine: a proposer keeps its requests' drafting state
-        return DSparkProposer(DSparkDrafter.from_pretrained(drafter_dir, target=target))
+    def proposer() -> (
+        DSparkProposer
+    ):  # one per engine: a proposer keeps its requests' drafting state (the default dtype)
+        return model_proposer(drafter_dir, target)
 
     drafter = "reference-dspark" if Path(drafter_dir) == reference_drafter_dir("reference-dspark") else str(drafter_dir)
 

@@ -80,3 +80,64 @@ def test_dspark_alone_drafts_under_the_policy_with_costs_measured_at_load(make_t
         engine.generate(astronaut, "Describe it.", max_new_tokens=8, speculative=False).token_ids
     )
     assert isinstance(table.with_drafting(DraftTiming("tiny", {"model": 1e-3}, 1e-2)).drafting, DraftTiming)
+
+
+def test_a_float32_target_drafts_in_bfloat16_where_the_cpu_packs_it_and_as_asked_elsewhere(make_target):
+    import torch
+
+    from vlmspec.kernels.cpu_kernels import packing_applies
+    from vlmspec.loading import drafting_dtype
+
+    target = make_target("qwen2_vl")
+    packs_bfloat16 = packing_applies(torch.empty(0, dtype=torch.bfloat16))
+    assert drafting_dtype(target) == (torch.bfloat16 if packs_bfloat16 else torch.float32)
+    assert drafting_dtype(target, "float32") == torch.float32
+    assert drafting_dtype(target, torch.bfloat16) == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        drafting_dtype(target, "int8")
+
+
+def test_a_bfloat16_drafter_beside_a_float32_target_keeps_the_target_output(make_target, astronaut, tmp_path):
+    """The drafter's own weights in bfloat16, the target's embedding and LM head rows read in it: the
+    output is the target's, token for token (drafts only propose), and its round is timed in its dtype."""
+    import torch
+    from tiny_drafters import tiny_drafter
+
+    from vlmspec.engine import SpecEngine
+    from vlmspec.loading import model_proposer
+
+    target = make_target("qwen2_vl")
+    tiny_drafter(target).save_pretrained(tmp_path)
+    proposer = model_proposer(tmp_path, target, dtype="bfloat16")
+    assert proposer.dtype == torch.bfloat16 and target.dtype == torch.float32
+    assert target.input_embeddings.weight.dtype == torch.float32  # the tied weights stay the target's
+    engine = SpecEngine(target, proposer)
+    for prompt in ("Describe it.", "What colour is the suit?"):
+        spec = engine.generate(astronaut, prompt, max_new_tokens=12)
+        alone = engine.generate(astronaut, prompt, max_new_tokens=12, speculative=False)
+        assert spec.token_ids == alone.token_ids
+
+
+def test_the_drafting_costs_are_timed_again_for_a_drafter_in_another_dtype(make_target, monkeypatch):
+    """A table whose round was timed with the drafter in the target's dtype does not price a bfloat16 one."""
+    import torch
+    from tiny_drafters import tiny_drafter
+
+    import vlmspec.reference
+    import vlmspec.targets.profile
+    from vlmspec.drafters.dspark import DSparkProposer
+    from vlmspec.loading import reference_costs
+    from vlmspec.scheduling.tables import DraftTiming, SPSMeta, SPSTable
+
+    target = make_target("qwen2_vl")
+    shipped = DraftTiming(drafter="tiny", round_s={"model": 5e-3}, step_s=1e-2)  # no dtype: the target's (float32)
+    table = SPSTable(
+        (1, 2), (100.0, 99.0), SPSMeta(model="tiny", device="cpu", dtype="float32", context_length=16)
+    ).with_drafting(shipped)
+    monkeypatch.setattr(vlmspec.reference, "machine_sps_table", lambda target: table)
+    retimed = DraftTiming(drafter="tiny", round_s={"model": 1e-3}, step_s=1e-2, dtype="bfloat16")
+    monkeypatch.setattr(vlmspec.targets.profile, "profile_draft_round", lambda *args, **kwargs: retimed)
+    same = DSparkProposer(tiny_drafter(target))
+    assert reference_costs(same, target, drafter="tiny").draft_steps["model"] == pytest.approx(0.5)
+    other = DSparkProposer(tiny_drafter(target).to(torch.bfloat16))
+    assert reference_costs(other, target, drafter="tiny").draft_steps["model"] == pytest.approx(0.1)

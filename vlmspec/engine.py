@@ -102,6 +102,7 @@ class SpecEngine:
         decode: str = "fast",
         prefix_caching: bool = True,
         batch_invariant: bool | None = None,
+        drafter_dtype: str | torch.dtype | None = None,
     ) -> SpecEngine:
         """Load a target from a local directory (or ``tiny:FAMILY``) and attach a drafter.
 
@@ -109,14 +110,15 @@ class SpecEngine:
         target (:mod:`vlmspec.reference`). ``drafter`` is None (target alone),
         ``"prompt-lookup"``, ``"reference"`` / ``"reference-dflash"`` (the drafters trained
         for the reference target), the directory of a saved DSpark drafter, or any object
-        implementing the Proposer protocol (:mod:`vlmspec.loading`).
+        implementing the Proposer protocol (:mod:`vlmspec.loading`). ``drafter_dtype``: what a DSpark drafter
+        drafts in (None: :func:`vlmspec.loading.drafting_dtype`'s measured default).
         """
         target = load_target(
             target_dir, dtype=dtype, attn_implementation=attn_implementation, device=device, decode=decode
         )
         return cls(
             target,
-            load_proposer(drafter, target),
+            load_proposer(drafter, target, drafter_dtype=drafter_dtype),
             scheduler,
             prefix_caching=prefix_caching,
             batch_invariant=batch_invariant,

@@ -103,8 +103,17 @@ def did_you_mean(spec: str, names: list[str]) -> str:
     return f"did you mean {close[0]!r}? " if close else ""
 
 
-def load_proposer(drafter: str | os.PathLike | Proposer | None, target: QwenVLTarget) -> Proposer:
-    """A proposer from a name, a saved drafter directory, or an object that already is one."""
+def load_proposer(
+    drafter: str | os.PathLike | Proposer | None,
+    target: QwenVLTarget,
+    *,
+    drafter_dtype: str | torch.dtype | None = None,
+) -> Proposer:
+    """A proposer from a name, a saved drafter directory, or an object that already is one.
+
+    ``drafter_dtype``: the dtype a DSpark drafter drafts in (``"float32"``, ``"bfloat16"``; None:
+    :func:`drafting_dtype`'s measured default).
+    """
     if drafter is None or str(drafter) == NO_DRAFTER:
         return NoDraft()
     if isinstance(drafter, Proposer):
@@ -113,7 +122,7 @@ def load_proposer(drafter: str | os.PathLike | Proposer | None, target: QwenVLTa
         from vlmspec.drafters.prompt_lookup import PromptLookup
 
         return PromptLookup()
-    proposer = model_proposer(drafter, target)
+    proposer = model_proposer(drafter, target, dtype=drafter_dtype)
     if str(drafter) == "reference":
         return reference_hybrid(proposer, target)
     if str(drafter) == REFERENCE_DSPARK:
@@ -121,8 +130,11 @@ def load_proposer(drafter: str | os.PathLike | Proposer | None, target: QwenVLTa
     return proposer
 
 
-def model_proposer(drafter: str | os.PathLike, target: QwenVLTarget) -> Proposer:
-    """The DSpark proposer of a reference drafter name or a saved drafter directory, on its own (no policy)."""
+def model_proposer(
+    drafter: str | os.PathLike, target: QwenVLTarget, *, dtype: str | torch.dtype | None = None
+) -> Proposer:
+    """The DSpark proposer of a reference drafter name or a saved drafter directory, on its own (no policy),
+    drafting in ``dtype`` (None: :func:`drafting_dtype`'s default for ``target``)."""
     from vlmspec.reference import REFERENCE_DRAFTERS, reference_drafter_dir
 
     path = reference_drafter_dir(str(drafter)) if str(drafter) in REFERENCE_DRAFTERS else Path(drafter)
@@ -130,7 +142,27 @@ def model_proposer(drafter: str | os.PathLike, target: QwenVLTarget) -> Proposer
         raise FileNotFoundError(_unknown_drafter_message(str(drafter)))
     from vlmspec.drafters.dspark import DSparkDrafter, DSparkProposer
 
-    return DSparkProposer(DSparkDrafter.from_pretrained(path, target=target))
+    return DSparkProposer(DSparkDrafter.from_pretrained(path, target=target, dtype=drafting_dtype(target, dtype)))
+
+
+def drafting_dtype(target: QwenVLTarget, requested: str | torch.dtype | None = None) -> torch.dtype:
+    """The dtype a DSpark drafter drafts in beside ``target``: ``requested``, else the measured default.
+
+    The default is the target's dtype, except for a float32 target on a CPU whose kernels pack
+    bfloat16 (AVX512-BF16): its drafter drafts in bfloat16. A drafting round reads the drafter's
+    weights from memory once, so it takes about half the time: on the reference pair, T_draft
+    0.19-0.24 -> 0.11-0.15 T(1), with the same tau on dev prompts (docs/design.md §21.1). Drafts only
+    propose, so the output is the target's either way.
+    """
+    if requested is not None:
+        dtype = resolve_dtype(requested)
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"a drafter drafts in float32, bfloat16 or float16, got {requested!r}")
+        return dtype
+    from vlmspec.kernels.cpu_kernels import packing_applies
+
+    bfloat16 = torch.empty(0, dtype=torch.bfloat16, device=target.device)
+    return torch.bfloat16 if target.dtype == torch.float32 and packing_applies(bfloat16) else target.dtype
 
 
 def drafter_names() -> list[str]:
@@ -204,7 +236,7 @@ def reference_costs(model: Proposer, target: QwenVLTarget, drafter: str = REFERE
     ``T_verify(n) / T(1)`` is the reference SPS curve on this machine (:func:`vlmspec.reference.machine_sps_table`:
     the shipped one where it was measured on this CPU and a spot check agrees, else measured now).
     ``T_draft / T(1)`` is the round the table carries (``vlmspec profile --drafter``) when it was
-    timed for ``drafter``; otherwise (a table profiled without it, or another drafter) it is
+    timed for ``drafter`` drafting in ``model``'s dtype; otherwise (a table profiled without it, or another drafter) it is
     timed now, a second or so beside the target's step
     (:func:`vlmspec.targets.profile.profile_draft_round`). The copy sources cost 0: their
     lookups run every round before the choice (a sunk cost), so choosing one adds nothing.
@@ -216,6 +248,8 @@ def reference_costs(model: Proposer, target: QwenVLTarget, drafter: str = REFERE
 
     table = machine_sps_table(target)
     timing = table.for_requests(1).drafting
-    if timing is None or timing.drafter != drafter:
+    target_dtype = str(target.dtype).removeprefix("torch.")
+    drafts_in = str(getattr(model, "dtype", target.dtype)).removeprefix("torch.")
+    if timing is None or timing.drafter != drafter or timing.drafted_in(target_dtype) != drafts_in:
         timing = profile_draft_round(target, model, drafter=drafter, warmup=2, repeats=9)
     return DraftCosts.from_table(table, {**timing.steps(), NGRAM: 0.0, CORPUS: 0.0})

@@ -11,6 +11,10 @@ probabilities, the confidences and the context keys/values the round writes):
 * bfloat16: ``BFLOAT16_ATOL`` = 2e-2 (measured: under 6e-3): a bfloat16 ulp is 2^-8 relative,
   and one rounding that goes the other way moves a logit by about that much.
 
+A bfloat16 drafter beside a float32 target (the default on a CPU with AVX512-BF16, see
+``vlmspec.loading.drafting_dtype``) reads the target's float32 embedding and LM head rows in
+bfloat16, with bfloat16's tolerance.
+
 Drafts are the same tokens in every case checked here (a draft could differ only where two
 logits tie within those tolerances; the tiny random models here have no such ties).
 """
@@ -30,13 +34,18 @@ BFLOAT16_ATOL = 2e-2
 SPANS = (12, 3, 1, 0, 5)
 
 
-def drafter_in(dtype: torch.dtype, kind: str, draft_vocab: int | None):
+# (the drafter's dtype, the target's): each alone, and a float32 target drafting in bfloat16
+DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)]
+
+
+def drafter_in(dtype: torch.dtype, kind: str, draft_vocab: int | None, target_dtype: torch.dtype | None = None):
     target = StubTarget(vocab=96, hidden=32)
     drafter = make_drafter(target, head_kind=kind, confidence_with_markov=kind != "none", draft_vocab_size=draft_vocab)
     if draft_vocab:
         drafter.set_draft_vocabulary(torch.arange(3, 3 + draft_vocab))
-    for module in (drafter, target.input_embeddings, target.output_head):
-        module.to(dtype)
+    drafter.to(dtype)
+    for module in (target.input_embeddings, target.output_head):
+        module.to(target_dtype or dtype)
     return drafter
 
 
@@ -50,13 +59,13 @@ def native_or_skip(drafter) -> NativeRound:
 @pytest.mark.parametrize("draft_vocab", [None, 40])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("kind", ["none", "vanilla", "gated", "rnn"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_round_drafts_what_the_pytorch_drafter_drafts(dtype, kind, temperature, draft_vocab):
-    drafter = drafter_in(dtype, kind, draft_vocab)
+@pytest.mark.parametrize(("dtype", "target_dtype"), DTYPES)
+def test_native_round_drafts_what_the_pytorch_drafter_drafts(dtype, target_dtype, kind, temperature, draft_vocab):
+    drafter = drafter_in(dtype, kind, draft_vocab, target_dtype)
     native = native_or_skip(drafter)
     atol = FLOAT32_ATOL if dtype == torch.float32 else BFLOAT16_ATOL
     features, positions = random_context(drafter, sum(SPANS) + 1)
-    features = features.to(dtype)
+    features = features.to(target_dtype)  # the target's features: the round casts them to the drafter's dtype
     reference_cache, native_cache = DraftContextCache(), DraftContextCache()
     reference_gen, native_gen = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     start = 0
@@ -89,18 +98,17 @@ def test_native_round_drafts_what_the_pytorch_drafter_drafts(dtype, kind, temper
     assert torch.equal(reference_gen.get_state(), native_gen.get_state())  # the same draws, nothing more
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_proposer_takes_the_native_round_for_one_request_and_the_same_drafts_either_way(dtype):
+@pytest.mark.parametrize(("dtype", "target_dtype"), DTYPES)
+def test_proposer_takes_the_native_round_for_one_request_and_the_same_drafts_either_way(dtype, target_dtype):
     """One request through the proposer (native) and the same request padded into a batch (PyTorch)."""
-    drafter = drafter_in(dtype, "vanilla", None)
+    drafter = drafter_in(dtype, "vanilla", None, target_dtype)
     native_or_skip(drafter)
     proposer = DSparkProposer(drafter)
     params = [SamplingParams(temperature=0.0)] * 2
     alone, batched, other = proposer.new_state(), proposer.new_state(), proposer.new_state()
     stream, other_stream = list(updates(drafter, [70, 3, 1])), list(updates(drafter, [2, 2, 2]))
     for update, second in zip(stream, other_stream):  # the first span is longer than a native round absorbs
-        if dtype == torch.bfloat16:
-            update.features, second.features = update.features.to(dtype), second.features.to(dtype)
+        update.features, second.features = update.features.to(target_dtype), second.features.to(target_dtype)
         single = proposer.propose([alone], [update], params[:1], [torch.Generator()])
         pair = proposer.propose([batched, other], [update, second], params, [torch.Generator()] * 2)
         assert torch.equal(single.tokens[0], pair.tokens[0])

@@ -285,6 +285,18 @@ def test_drafting_costs_travel_with_the_table_and_old_tables_load_without(tmp_pa
     assert table.fitted().drafting == timing  # fitting keeps them
 
 
+def test_a_drafting_round_says_which_dtype_it_drafted_in(tmp_path: Path) -> None:
+    """A float32 target's drafter may draft in bfloat16: the timing names the dtype, and older timings (none
+    named) were the target's own dtype."""
+    timed = DraftTiming(drafter="reference-dspark", round_s={"model": 0.001}, step_s=0.01, dtype="bfloat16")
+    table = SPSTable((1, 2), (50.0, 49.0), META).with_drafting(timed)
+    assert SPSTable.load(table.save(tmp_path / "sps.json")).drafting == timed
+    assert timed.drafted_in("float32") == "bfloat16"
+    assert DraftTiming(drafter="reference-dspark", round_s={"model": 0.001}, step_s=0.01).drafted_in("float32") == (
+        "float32"
+    )
+
+
 @pytest.mark.parametrize(
     ("drafting", "message"),
     [

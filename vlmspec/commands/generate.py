@@ -8,6 +8,7 @@ from vlmspec.commands.options import (
     DRAFTER_HELP,
     TARGET_HELP,
     build_engine,
+    drafter_dtype_option,
     generation_options,
     integer,
     reference_defaults,
@@ -73,6 +74,7 @@ def add_demo(commands) -> None:
     )
     p.add_argument("--target", default="reference", help=TARGET_HELP)
     p.add_argument("--drafter", default="reference", help=DRAFTER_HELP)
+    drafter_dtype_option(p)
     scheduler_options(p)
     # The reference pair verifies a draft only when it pays on this CPU (an 8-token forward costs ~2 steps).
     p.set_defaults(scheduler=None)  # sps on the reference target (its curve ships), else none: see _run_demo
@@ -110,7 +112,7 @@ def _run_demo(args) -> int:
         args.scheduler = "sps" if args.target == "reference" or args.sps is not None else "none"
     target = load_target(args.target, dtype=args.dtype)
     scheduler = build_scheduler(args.scheduler, threshold=args.threshold, **reference_defaults(args, target))
-    engine = SpecEngine(target, load_proposer(args.drafter, target), scheduler)
+    engine = SpecEngine(target, load_proposer(args.drafter, target, drafter_dtype=args.drafter_dtype), scheduler)
     print(f"target: {args.target}   drafter: {args.drafter}   scheduler: {args.scheduler}   dtype: {args.dtype}\n")
     requests = [(image, args.prompt)] + ([(None, args.text_prompt)] if args.text_prompt else [])
     settings = {name: getattr(args, name) for name in ("target", "drafter", "scheduler", "dtype", "max_new_tokens")}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vlmspec.commands.options import integer, target_options
+from vlmspec.commands.options import drafter_dtype_option, integer, target_options
 from vlmspec.scheduling.profiling import PRESETS
 
 
@@ -27,6 +27,7 @@ def add_profile(commands) -> None:
         help="also time this drafter's round (a reference drafter name or a DSpark drafter directory) beside the "
         "target's one-token step; the table carries it for the drafting policy (one request, without --requests)",
     )
+    drafter_dtype_option(p)
     p.add_argument("--context-length", type=integer(1), default=256, help="tokens already in the cache while timing")
     p.add_argument("--warmup", type=integer(0), default=3)
     p.add_argument("--repeats", type=integer(1), default=10)
@@ -75,7 +76,7 @@ def _run_profile(args) -> int:
             table = table.with_drafting(
                 profile_draft_round(
                     target,
-                    model_proposer(args.drafter, target),
+                    model_proposer(args.drafter, target, dtype=args.drafter_dtype),
                     drafter=args.drafter,
                     context_length=args.context_length,
                     warmup=args.warmup,

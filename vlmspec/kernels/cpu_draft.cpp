@@ -114,7 +114,12 @@ Weights collect(const c10::Dict<std::string, at::Tensor>& all, const Shape& s, a
                   (s.head_kind != kRnn || w.head_joint.in() == s.hidden + 2 * s.rank) &&
                   (s.confidence == kNoConfidence || w.confidence.in() == s.hidden + markov),
               "dspark_round: a packed weight's input width differs from the drafter's (an odd width in bfloat16?)");
-  std::vector<at::Tensor> plain = {w.embedding, w.mask, w.context_norm, w.norm};
+  // The embedding is the target's own table: in T, or float32 when a float32 target drafts in bfloat16.
+  TORCH_CHECK(w.embedding.is_contiguous() && w.embedding.dim() == 2 && w.embedding.size(1) == s.hidden &&
+                  (w.embedding.scalar_type() == dtype || w.embedding.scalar_type() == at::kFloat),
+              "dspark_round: the embedding must be a contiguous [vocab, ", s.hidden, "] table in ", dtype,
+              " or float32");
+  std::vector<at::Tensor> plain = {w.mask, w.context_norm, w.norm};
   for (const Layer& layer : w.layers)
     for (const at::Tensor& t : {layer.input_norm, layer.q_norm, layer.k_norm, layer.mlp_norm}) plain.push_back(t);
   if (s.head_kind != kNoHead) plain.push_back(w.head_embed);
@@ -193,7 +198,12 @@ void run_block(const Weights& w, const Round& r, Scratch<T>& b, const Team& team
   const float* sin = r.sin + r.span * hd;
   T* x = ptr<T>(b.x);
   if (team.member == 0) {  // [anchor embedding, MASK x (G - 1)]
-    std::memcpy(x, ptr<T>(w.embedding) + r.anchor * d, d * sizeof(T));
+    if (sizeof(T) < sizeof(float) && w.embedding.scalar_type() == at::kFloat) {  // a float32 table, T bfloat16
+      const float* row = ptr<float>(w.embedding) + r.anchor * d;  // rounded to T as tensor.to(T) rounds
+      for (int64_t i = 0; i < d; ++i) x[i] = stored<T>(row[i]);
+    } else {
+      std::memcpy(x, ptr<T>(w.embedding) + r.anchor * d, d * sizeof(T));
+    }
     for (int64_t g = 1; g < G; ++g) std::memcpy(x + g * d, ptr<T>(w.mask), d * sizeof(T));
   }
 #pragma omp barrier

@@ -158,6 +158,7 @@ def time_drafting(
     target_step: Callable[[], None],
     *,
     drafter: str,
+    dtype: str | None = None,
     source: str = "model",
     warmup: int = 3,
     repeats: int = 15,
@@ -166,8 +167,8 @@ def time_drafting(
 ) -> DraftTiming:
     """Median seconds of a drafting round and of a one-token target step, timed alternately in one run.
 
-    ``draft_round()`` runs one drafting round of one request (the drafter ``drafter``, as
-    draft source ``source``); ``target_step()`` one target forward of one token. They
+    ``draft_round()`` runs one drafting round of one request (the drafter ``drafter``, drafting
+    in ``dtype``, as draft source ``source``); ``target_step()`` one target forward of one token. They
     alternate, so drift on a shared machine moves both medians alike and their ratio
     (:meth:`DraftTiming.steps`, what the drafting policy reads) stays the pair's.
     """
@@ -186,7 +187,7 @@ def time_drafting(
     draft_s, step_s = statistics.median(rounds), statistics.median(steps)
     if not (draft_s > 0 and step_s > 0):
         raise ValueError("a drafting round or a target step took no time; the clock must advance while they run")
-    return DraftTiming(drafter=drafter, round_s={source: draft_s}, step_s=step_s, repeats=repeats)
+    return DraftTiming(drafter=drafter, round_s={source: draft_s}, step_s=step_s, repeats=repeats, dtype=dtype)
 
 
 # -- presets ----------------------------------------------------------------------------------

@@ -115,6 +115,11 @@ class DraftTiming:
     round_s: dict[str, float]  # source -> seconds per drafting round
     step_s: float  # seconds per one-token target step, timed between the rounds
     repeats: int | None = None
+    dtype: str | None = None  # the dtype the drafter drafted in ("bfloat16"); None: the target's (older tables)
+
+    def drafted_in(self, target_dtype: str) -> str:
+        """The dtype the timed drafter drafted in, for a table of a ``target_dtype`` target."""
+        return self.dtype or target_dtype
 
     def __post_init__(self) -> None:
         values = [self.step_s, *self.round_s.values()]
@@ -134,7 +139,9 @@ class DraftTiming:
     def from_dict(cls, data: Any, *, where: str) -> DraftTiming:
         fields = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(data, dict) or not {"drafter", "round_s", "step_s"} <= set(data) or set(data) - fields:
-            raise ValueError(f"{where}: 'drafting' must hold drafter, round_s and step_s (and repeats); {_REGENERATE}")
+            raise ValueError(
+                f"{where}: 'drafting' must hold drafter, round_s and step_s (and repeats, dtype); {_REGENERATE}"
+            )
         try:
             return cls(**data)
         except (TypeError, ValueError) as error:

@@ -205,15 +205,17 @@ class BatchEngine:
         attn_implementation: str = "sdpa",
         device: str | torch.device = "cpu",
         decode: str = "fast",
+        drafter_dtype: str | torch.dtype | None = None,
     ) -> BatchEngine:
         """A target (directory, ``"reference"``, ``tiny:FAMILY``) and a drafter, as for ``SpecEngine.from_pretrained``.
 
         ``attn_implementation`` applies to prefills; decode steps use the ragged batch's own attention.
+        ``drafter_dtype``: what a DSpark drafter drafts in (None: :func:`vlmspec.loading.drafting_dtype`).
         """
         target = load_target(
             target_dir, dtype=dtype, attn_implementation=attn_implementation, device=device, decode=decode
         )
-        proposer = load_proposer(drafter, target)
+        proposer = load_proposer(drafter, target, drafter_dtype=drafter_dtype)
         return cls(
             target,
             proposer,

@@ -164,7 +164,9 @@ def profile_draft_round(
         batch.verify(probe, torch.tensor([1]))
         batch.advance([0])
 
-    return time_drafting(draft_round, target_step, drafter=drafter, warmup=warmup, repeats=repeats)
+    drafts_in = getattr(proposer, "dtype", None)  # a model drafter's own dtype, which may differ from the target's
+    dtype = None if drafts_in is None else str(drafts_in).removeprefix("torch.")
+    return time_drafting(draft_round, target_step, drafter=drafter, dtype=dtype, warmup=warmup, repeats=repeats)
 
 
 def spread(num_tokens: int, rows: int) -> torch.Tensor:  # -> [rows] int64, summing to num_tokens

@@ -150,8 +150,13 @@ class DSparkDrafter(nn.Module):
         save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "target": self.config.target_name})
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike, *, target: Any) -> DSparkDrafter:
-        """Load a drafter saved by :meth:`save_pretrained` and tie it to ``target``."""
+    def from_pretrained(
+        cls, directory: str | os.PathLike, *, target: Any, dtype: torch.dtype | None = None
+    ) -> DSparkDrafter:
+        """Load a drafter saved by :meth:`save_pretrained` and tie it to ``target``.
+
+        ``dtype``: the drafter's own weights in that dtype (default: the target's); see :attr:`dtype`.
+        """
         from safetensors.torch import load_file
 
         path = Path(directory)
@@ -164,14 +169,21 @@ class DSparkDrafter(nn.Module):
                 f"{path} has a config.json but no {WEIGHTS_NAME}: the save was incomplete; "
                 "save the drafter again with DSparkDrafter.save_pretrained"
             )
-        return cls.from_state(config, load_file(str(weights)), target=target, source=str(weights))
+        return cls.from_state(config, load_file(str(weights)), target=target, source=str(weights), dtype=dtype)
 
     @classmethod
     def from_state(
-        cls, config: DSparkConfig, state: dict[str, torch.Tensor], *, target: Any, source: str = "the checkpoint"
+        cls,
+        config: DSparkConfig,
+        state: dict[str, torch.Tensor],
+        *,
+        target: Any,
+        source: str = "the checkpoint",
+        dtype: torch.dtype | None = None,
     ) -> DSparkDrafter:
         """A drafter with ``config`` and the weights ``state`` (its own, as ``state_dict()`` names them), tied
-        to ``target`` and moved to its device and dtype: the one load path of saved and imported drafters.
+        to ``target`` and moved to its device and to ``dtype`` (default: the target's): the one load path of
+        saved and imported drafters.
 
         ``source`` names where ``state`` came from in the error raised when its names do not match ``config``.
         """
@@ -185,7 +197,7 @@ class DSparkDrafter(nn.Module):
                 "the weights and the config come from different drafters: save or export the drafter again"
             )
         drafter.load_state_dict(state)
-        return drafter.to(device=target.device, dtype=target.dtype)
+        return drafter.to(device=target.device, dtype=dtype or target.dtype)
 
     @torch.no_grad()
     def set_draft_vocabulary(self, token_ids: torch.Tensor) -> None:
@@ -209,6 +221,13 @@ class DSparkDrafter(nn.Module):
     def block_size(self) -> int:
         return self.config.block_size
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the drafter computes in: its own weights'. The target's tied embedding and LM head rows
+        are read in it too, so a float32 target may draft with a bfloat16 drafter (half the bytes a round
+        reads; drafts only propose, so the output stays the target's either way)."""
+        return self.backbone.norm.weight.dtype
+
     def context_kv(
         self,
         features: torch.Tensor,  # [B, L, m * d_target]
@@ -219,11 +238,11 @@ class DSparkDrafter(nn.Module):
 
     def block_inputs(self, anchors: torch.Tensor) -> torch.Tensor:  # [...] int64 -> [..., G, d]
         """Input embeddings ``[anchor, MASK x (G - 1)]`` of one block per anchor."""
-        anchor = self.vocabulary.embed(anchors)  # [..., d_target]
+        anchor = self.vocabulary.embed(anchors).to(self.dtype)  # [..., d_target]
         if self.config.mask_token_id is None:
             mask = self.mask_embedding.to(anchor.dtype)
         else:
-            mask = self.vocabulary.embed(torch.tensor(self.config.mask_token_id, device=anchors.device))
+            mask = self.vocabulary.embed(torch.tensor(self.config.mask_token_id, device=anchors.device)).to(self.dtype)
         masks = mask.expand(*anchors.shape, self.block_size - 1, mask.shape[-1])
         return self.embed_proj(torch.cat((anchor[..., None, :], masks), dim=-2))
 
@@ -271,10 +290,10 @@ class DSparkDrafter(nn.Module):
         return full.index_copy_(-1, self.draft_token_ids, probs)
 
     def _draft_rows(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """LM head rows [N, d_target] and bias [N] (or None) of the draft vocabulary, and the column of
-        every target id [V]; cached until the ids or the target's weights change."""
+        """LM head rows [N, d_target] and bias [N] (or None) of the draft vocabulary in the drafter's dtype, and
+        the column of every target id [V]; cached until the ids, the target's weights or the dtype change."""
         head, ids = self.vocabulary.lm_head, self.draft_token_ids
-        weight, bias = head.weight, head.bias
+        weight, bias, dtype = head.weight, head.bias, self.dtype
         # Inference-mode tensors cannot enter autograd: rows cut while drafting are cut again for training.
         key = (
             ids.data_ptr(),
@@ -282,12 +301,13 @@ class DSparkDrafter(nn.Module):
             weight.data_ptr(),
             weight.dtype,
             weight.device,
+            dtype,
             torch.is_inference_mode_enabled(),
         )
         if self._head_rows is None or self._head_rows[0] != key:
             full = self.config.draft_vocab_size is None
-            rows = weight if full else weight[ids]
-            rows_bias = None if bias is None else (bias if full else bias[ids])
+            rows = (weight if full else weight[ids]).to(dtype)
+            rows_bias = None if bias is None else (bias if full else bias[ids]).to(dtype)
             columns = torch.full((self.config.target_vocab_size,), -1, dtype=torch.long, device=ids.device)
             columns[ids] = torch.arange(ids.shape[0], device=ids.device)
             rows, rows_bias = rows.detach(), None if rows_bias is None else rows_bias.detach()

@@ -95,8 +95,8 @@ class NativeRound:
             and config.head_dim % 8 == 0
             and config.head_dim <= 512
             and all(w % 2 == 0 for w in widths)
-            and drafter.vocabulary.embedding.weight.dtype == weight.dtype
-            and drafter.vocabulary.lm_head.weight.dtype == weight.dtype
+            # The anchor's row is read from the target's own table: in the drafter's dtype, or float32 (rounded)
+            and drafter.vocabulary.embedding.weight.dtype in (weight.dtype, torch.float32)
             and packing_applies(weight)
         )
 
@@ -186,7 +186,7 @@ class NativeRound:
         packed = lambda *ws: pack_weight(torch.cat([w.detach() for w in ws]))  # noqa: E731
         weights = {
             "embedding": plain(drafter.vocabulary.embedding.weight),
-            "mask": plain(_mask_vector(drafter)),
+            "mask": plain(_mask_vector(drafter).to(drafter.dtype)),
             "context_proj": packed(backbone.context_proj.weight),
             "context_norm": plain(backbone.context_norm.weight),
             "context_kv": packed(*(w for layer in backbone.layers for w in _kv_weights(layer))),

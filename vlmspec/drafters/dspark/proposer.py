@@ -81,6 +81,11 @@ class DSparkProposer:
     def device(self) -> torch.device:
         return self.drafter.backbone.norm.weight.device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the drafter drafts in (:attr:`DSparkDrafter.dtype`)."""
+        return self.drafter.dtype
+
     @torch.inference_mode()
     def propose(
         self,
