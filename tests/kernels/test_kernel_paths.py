@@ -133,7 +133,41 @@ def test_a_build_lock_left_by_a_dead_build_is_removed_and_a_fresh_one_is_kept(tm
     old = time.time() - STALE_LOCK_S - 60
     os.utime(stale, (old, old))
     with pytest.warns(RuntimeWarning, match="did not finish"):
-        _remove_stale_lock(stale)
-    _remove_stale_lock(fresh)  # a build may hold it right now: left alone, silently
-    _remove_stale_lock(tmp_path / "missing")
+        assert _remove_stale_lock(stale)
+    assert not _remove_stale_lock(fresh)  # a build may hold it right now: left alone, silently
+    assert _remove_stale_lock(tmp_path / "missing")
     assert fresh.exists() and not stale.exists()
+
+
+def test_waiting_for_another_build_ends_when_its_lock_goes(tmp_path):
+    import threading
+
+    from vlmspec.kernels.cpu_kernels import _wait_for_other_build
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    threading.Timer(0.3, lock.unlink).start()  # the other build finishes
+    _wait_for_other_build(lock, poll_s=0.05)
+    assert not lock.exists()
+
+
+def test_a_built_kernel_loads_while_a_killed_process_left_the_build_lock(tmp_path):
+    """A process killed inside torch's loader (even while it only checked an up-to-date build) leaves the
+    lock behind: a later process must load the built library at once, not wait on that lock."""
+    if not cpu_kernels.kernel_available():
+        pytest.skip("the CPU kernel does not build here")
+    import shutil
+
+    built = cpu_kernels._build_directory() / "vlmspec_cpu_kernels.so"
+    env = {**os.environ, CACHE_ENV: str(tmp_path / "cache")}
+    env.pop(cpu_kernels.KERNEL_ENV, None)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, env[CACHE_ENV])
+        build_dir = cpu_kernels._build_directory()  # the same source's directory under the other cache
+    build_dir.mkdir(parents=True)
+    shutil.copy(built, build_dir / built.name)
+    (build_dir / "lock").touch()  # fresh: a live build could hold it, so it is not stale
+    probe = "from vlmspec.kernels.cpu_kernels import kernel_available; print(kernel_available())"
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
+    assert "waiting for another process" not in done.stderr and (build_dir / "lock").exists()

@@ -385,9 +385,14 @@ def _build_and_load() -> None:
         return
     build_dir = _build_directory()
     build_dir.mkdir(parents=True, exist_ok=True)
-    _remove_stale_lock(build_dir / "lock")
     name = "vlmspec_cpu_kernels"
-    if not (build_dir / f"{name}.so").exists():
+    library = build_dir / f"{name}.so"
+    # Built before (the directory is this source's own): load it without torch's build lock, which even an
+    # up-to-date check takes, and which a process killed meanwhile leaves behind for every later one to wait on.
+    if library.exists() and _loaded_from(library):
+        return
+    _wait_for_other_build(build_dir / "lock")
+    if not library.exists():
         print("vlmspec: compiling the CPU matrix-vector kernel, once per machine (about 20 s)", file=sys.stderr)
     load(
         name=name,
@@ -404,12 +409,12 @@ def _build_and_load() -> None:
 STALE_LOCK_S = 900
 
 
-def _remove_stale_lock(lock: Path) -> None:
-    """Delete a build lock that no live build can hold any more (see STALE_LOCK_S), saying so."""
+def _remove_stale_lock(lock: Path) -> bool:
+    """Delete a build lock that no live build can hold any more (see STALE_LOCK_S), saying so; whether none is left."""
     try:
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
-        return
+        return True
     if age > STALE_LOCK_S:
         warnings.warn(
             f"removing {lock}, left {age / 60:.0f} minutes ago by a kernel build that did not finish; building again",
@@ -417,6 +422,35 @@ def _remove_stale_lock(lock: Path) -> None:
             stacklevel=3,
         )
         lock.unlink(missing_ok=True)
+        return True
+    return False
+
+
+def _wait_for_other_build(lock: Path, poll_s: float = 0.5) -> None:
+    """Wait while another process builds the kernel (its lock exists), until the lock goes or turns stale.
+
+    torch's loader would wait on a lock forever, also on one that a killed build left; here the wait
+    ends when the lock is older than STALE_LOCK_S, and says what it waits for.
+    """
+    waited = False
+    while not _remove_stale_lock(lock):
+        if not waited:
+            print(
+                f"vlmspec: waiting for another process's kernel build ({lock}); a lock older than "
+                f"{STALE_LOCK_S // 60} minutes is taken as left by a build that died, and removed",
+                file=sys.stderr,
+            )
+            waited = True
+        time.sleep(poll_s)
+
+
+def _loaded_from(library: Path) -> bool:
+    """Load an already built kernel library; False when it cannot be (a build killed while linking)."""
+    try:
+        torch.ops.load_library(str(library))
+    except (OSError, RuntimeError):
+        return False
+    return True
 
 
 def _kernel_loaded() -> bool:
