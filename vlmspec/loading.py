@@ -151,7 +151,7 @@ def drafting_dtype(target: QwenVLTarget, requested: str | torch.dtype | None = N
     The default is the target's dtype, except for a float32 target on a CPU whose kernels pack
     bfloat16 (AVX512-BF16): its drafter drafts in bfloat16. A drafting round reads the drafter's
     weights from memory once, so it takes about half the time: on the reference pair, T_draft
-    0.19-0.24 -> 0.11-0.15 T(1), with the same tau on dev prompts (docs/design.md §21.1). Drafts only
+    0.19-0.24 -> 0.11-0.15 T(1), with the same tau on dev prompts (docs/design.md §21.3). Drafts only
     propose, so the output is the target's either way.
     """
     if requested is not None:
