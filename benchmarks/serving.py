@@ -44,6 +44,14 @@ A smoke run on a tiny random target::
 
 The clients run in this process and the servers in theirs; on a small machine they share
 the cores, which slows both variants alike.
+
+A ratio near 1.0 needs more than rounds: each server process has a speed of its own (where
+its memory landed), and rounds on one pair of processes all share it. ``--restarts K``
+starts every server K times, runs every round on each start, and reports each variant's
+ratio to the target alone as the mean over starts with its standard error::
+
+    python -m benchmarks.serving --dtype bfloat16 --variants alone,default --concurrency 16 --requests 16 \
+        --rounds 4 --restarts 8 --max-tokens 32 --workload text --out runs/serving-starts
 """
 
 from __future__ import annotations
@@ -51,10 +59,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shlex
+import statistics
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +124,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="rounds of each level, the variants alternating in order; each round sends other questions, and a "
         "cell pools its variant's rounds (this machine's speed drifts by a fifth between minutes)",
     )
+    parser.add_argument(
+        "--restarts",
+        type=int,
+        default=1,
+        help="start every server this many times, fresh processes each time, and run all rounds on each: a "
+        "process carries a speed of its own (two identical vlmspec servers ran 2-5%% apart over 16 rounds on "
+        "the 2-core EPYC), so the ratios' standard errors are taken across starts",
+    )
     parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (answers are compared)")
     parser.add_argument("--threshold", type=float, default=0.5, help="confidence threshold of the threshold variant")
@@ -139,6 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.variant_list = [v for v in args.variants.split(",") if v]
     if args.rounds < 1:
         parser.error(f"--rounds takes a positive integer, got {args.rounds}")
+    if args.restarts < 1:
+        parser.error(f"--restarts takes a positive integer, got {args.restarts}")
     if not args.levels or min(args.levels) < 1:
         parser.error(f"--concurrency takes positive integers separated by commas, got {args.concurrency!r}")
     if not args.variant_list or set(args.variant_list) - set(VARIANTS):
@@ -266,12 +287,48 @@ def cell_metrics(wall_s: float, timings: list[Timing]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------- main
+@dataclass
+class Run:
+    """One variant's requests of one round at one level, on one start of its server."""
+
+    start: int  # which start of the servers (0 .. --restarts - 1)
+    round: int
+    wall_s: float
+    timings: list[Timing]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(t.completion_tokens for t in self.timings if t.error is None) / self.wall_s
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.skipped = {}
     out = prepare_out_dir(args.out)
     bodies = chat_requests(args)  # before measuring anything: too few held-out prompts stops here
     sps = measured_sps(args, out) if "prefix" in args.variant_list else None
+    runs: dict[tuple[int, str], list[Run]] = {}  # (level, variant) -> its runs, every start and round
+    for start in range(args.restarts):
+        if args.restarts > 1:
+            log(f"start {start + 1}/{args.restarts} of the servers")
+        servers = start_servers(args, sps, out, warm_up=bodies[:2])
+        try:
+            for level in args.levels:
+                for variant, run in run_rounds(servers, bodies, args, level, start):
+                    runs.setdefault((level, variant), []).append(run)
+        finally:
+            for server in servers.values():
+                server.stop()
+    cells = []
+    for level in args.levels:
+        cells += level_cells(runs, level, args)
+    write_outputs(out, args, cells)
+    return 0
+
+
+def start_servers(args: argparse.Namespace, sps: str | None, out: Path, warm_up: list[dict]) -> dict[str, PeerProcess]:
+    """Every variant's server, ready and warmed up on ``warm_up``; a peer that cannot start is skipped (for the
+    rest of the run: ``args.variant_list`` drops it)."""
     servers = {}
     try:
         for variant in args.variant_list:
@@ -282,7 +339,6 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 args.skipped[variant] = " ".join(str(err).split())[:300]
                 log(f"{variant} skipped: {args.skipped[variant]}")
-        args.variant_list = [v for v in args.variant_list if v in servers]
         for variant, server in list(servers.items()):
             log(f"waiting for the {variant} server ...")
             try:
@@ -294,37 +350,79 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"{variant} skipped: {err}")
                 servers.pop(variant).stop()
                 continue
-            asyncio.run(run_cell(server.url, bodies[:2], 2))  # warm-up: first-call costs, both paths
-        args.variant_list = [v for v in args.variant_list if v in servers]
-        cells = []
-        for level in args.levels:
-            results, walls, by_round = {}, {}, {}
-            for round_index in range(args.rounds):
-                # Each round its own questions: a prefix cache holds the last round's prompts.
-                sent = bodies[round_index * args.requests : (round_index + 1) * args.requests]
-                for variant in run_order(args.variant_list, level * args.rounds + round_index):
-                    wall_s, timings = asyncio.run(run_cell(servers[variant].url, sent, level))
-                    results.setdefault(variant, []).extend(timings)
-                    walls[variant] = walls.get(variant, 0.0) + wall_s
-                    this_round = cell_metrics(wall_s, timings)
-                    by_round.setdefault(variant, []).append(this_round["tokens_per_s"])
-                    log(
-                        f"N={level:3d} round {round_index + 1}/{args.rounds} {variant:10s} "
-                        f"{this_round['requests_per_s']:6.2f} req/s {this_round['tokens_per_s']:7.1f} tok/s "
-                        f"TTFT p50 {format_number(this_round['ttft_p50_s'])} s, "
-                        f"TPOT p50 {format_number(this_round['tpot_p50_s'], 3)} s, errors {this_round['errors']}"
-                    )
-            for variant in args.variant_list:  # a cell pools its rounds: their tokens over their summed wall time
-                cell = {"concurrency": level, "variant": variant, **cell_metrics(walls[variant], results[variant])}
-                cell["round_tokens_per_s"] = by_round[variant]
-                cell["texts"] = [t.text for t in results[variant]]  # what "identical" compared
-                cells.append(cell)
-            compare(cells, results, level, args)
-    finally:
+            asyncio.run(run_cell(server.url, warm_up, 2))  # first-call costs, both paths
+    except BaseException:
         for server in servers.values():
             server.stop()
-    write_outputs(out, args, cells)
-    return 0
+        raise
+    args.variant_list = [v for v in args.variant_list if v in servers]
+    return servers
+
+
+def run_rounds(
+    servers: dict[str, PeerProcess], bodies: list[dict], args: argparse.Namespace, level: int, start: int
+) -> list[tuple[str, Run]]:
+    """``--rounds`` rounds of ``level`` clients on every server, the variants alternating (run_order)."""
+    done = []
+    for round_index in range(args.rounds):
+        # Each round its own questions: a prefix cache holds the last round's prompts.
+        sent = bodies[round_index * args.requests : (round_index + 1) * args.requests]
+        step = (start * len(args.levels) + args.levels.index(level)) * args.rounds + round_index
+        for variant in run_order(args.variant_list, step):
+            wall_s, timings = asyncio.run(run_cell(servers[variant].url, sent, level))
+            run = Run(start, round_index, wall_s, timings)
+            done.append((variant, run))
+            this_round = cell_metrics(wall_s, timings)
+            where = f"start {start + 1} " if args.restarts > 1 else ""
+            log(
+                f"N={level:3d} {where}round {round_index + 1}/{args.rounds} {variant:10s} "
+                f"{this_round['requests_per_s']:6.2f} req/s {this_round['tokens_per_s']:7.1f} tok/s "
+                f"TTFT p50 {format_number(this_round['ttft_p50_s'])} s, "
+                f"TPOT p50 {format_number(this_round['tpot_p50_s'], 3)} s, errors {this_round['errors']}"
+            )
+    return done
+
+
+def level_cells(runs: dict[tuple[int, str], list[Run]], level: int, args: argparse.Namespace) -> list[dict]:
+    """One cell per variant at ``level``: its runs pooled (their tokens over their summed wall time)."""
+    cells = []
+    measured = [v for v in VARIANTS if (level, v) in runs]  # a peer skipped at a later start keeps its runs
+    for variant in measured:
+        mine = runs[(level, variant)]
+        timings = [t for run in mine for t in run.timings]
+        cell = {"concurrency": level, "variant": variant, **cell_metrics(sum(r.wall_s for r in mine), timings)}
+        cell["round_tokens_per_s"] = [run.tokens_per_s for run in mine]
+        cell["texts"] = [t.text for t in timings]  # what "identical" compared
+        cells.append(cell)
+    compare(cells, {v: [t for run in runs[(level, v)] for t in run.timings] for v in measured}, level, args)
+    if "alone" in measured:
+        for cell in cells:
+            cell.update(ratio_by_start(runs[(level, cell["variant"])], runs[(level, "alone")]))
+    return cells
+
+
+def ratio_by_start(runs: list[Run], alone: list[Run]) -> dict[str, Any]:
+    """The variant's throughput over the target alone's on each start of the servers (each start's rounds
+    pooled), their mean, and its standard error across starts (None with one start).
+
+    A start is the unit of replication: rounds on one pair of processes share what each process got at
+    start (where its memory landed, its threads), which moved identical servers 2-5% apart here.
+    """
+    starts = sorted({run.start for run in alone})
+    ratios = []
+    for start in starts:
+        own = [r for r in runs if r.start == start]
+        base = [r for r in alone if r.start == start]
+        ratios.append(safe_ratio(pooled_tokens_per_s(own), pooled_tokens_per_s(base)))
+    ratios = [r for r in ratios if r is not None]
+    mean = statistics.fmean(ratios) if ratios else None
+    error = statistics.stdev(ratios) / math.sqrt(len(ratios)) if len(ratios) > 1 else None
+    return {"start_vs_alone": ratios, "vs_alone_mean_of_starts": mean, "vs_alone_standard_error": error}
+
+
+def pooled_tokens_per_s(runs: list[Run]) -> float | None:
+    wall_s = sum(r.wall_s for r in runs)
+    return sum(r.tokens_per_s * r.wall_s for r in runs) / wall_s if wall_s > 0 else None
 
 
 def compare(cells: list[dict], results: dict[str, list[Timing]], level: int, args: argparse.Namespace) -> None:
@@ -339,21 +437,42 @@ def compare(cells: list[dict], results: dict[str, list[Timing]], level: int, arg
             cell["identical"] = all(t.text == a.text and t.error is None for t, a in pairs)
 
 
+def format_by_start(cell: dict[str, Any]) -> str:
+    """``0.98 +- 0.012 (8 starts)``: the cell's ratio to the target alone over the servers' starts."""
+    mean, error = cell.get("vs_alone_mean_of_starts"), cell.get("vs_alone_standard_error")
+    if mean is None:
+        return ""
+    spread = "" if error is None else f" +- {error:.3f}"
+    starts = len(cell["start_vs_alone"])
+    return f"{mean:.3f}{spread} ({starts} start{'' if starts == 1 else 's'})"
+
+
 def write_outputs(out: Path, args: argparse.Namespace, cells: list[dict[str, Any]]) -> None:
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     write_json(out / "serving.json", {"environment": environment_info(), "settings": settings, "cells": cells})
     headers = ["clients", "variant", "req/s", "tok/s", "vs alone", "tau", "TTFT p50 s", "TTFT p90 s"]
     headers += ["TPOT p50 ms", "TPOT p90 ms", "TPOT p99 ms", "errors", "identical"]
-    rows = [
-        [c["concurrency"], c["variant"], c["requests_per_s"], c["tokens_per_s"], c.get("vs_alone"), c["tau"]]
-        + [c["ttft_p50_s"], c["ttft_p90_s"]]
-        + [None if c[f"tpot_p{q}_s"] is None else 1000 * c[f"tpot_p{q}_s"] for q in (50, 90, 99)]
-        + [c["errors"], c.get("identical")]
-        for c in cells
-    ]
+    by_start = args.restarts > 1
+    if by_start:
+        headers.insert(5, "vs alone by start")
+    rows = []
+    for c in cells:
+        row = [c["concurrency"], c["variant"], c["requests_per_s"], c["tokens_per_s"], c.get("vs_alone"), c["tau"]]
+        row += [c["ttft_p50_s"], c["ttft_p90_s"]]
+        row += [None if c[f"tpot_p{q}_s"] is None else 1000 * c[f"tpot_p{q}_s"] for q in (50, 90, 99)]
+        row += [c["errors"], c.get("identical")]
+        if by_start:
+            row.insert(5, format_by_start(c))
+        rows.append(row)
     note = (
         f"target {args.target}, drafter {args.drafter}, {args.dtype}; {args.requests} requests per cell"
         + (f" and round ({args.rounds} rounds pooled, the variants alternating)" if args.rounds > 1 else "")
+        + (
+            f"; every server started {args.restarts} times (fresh processes), all rounds on each start; "
+            "'vs alone by start': the mean over starts of each start's pooled ratio, +- its standard error"
+            if by_start
+            else ""
+        )
         + ", "
         f"{describe_workload(args)}; max_tokens {args.max_tokens}, temperature {args.temperature}; clients stream"
         + "".join(f"\n- {variant} skipped: {why}" for variant, why in args.skipped.items())

@@ -20,3 +20,33 @@ def test_each_round_sends_other_questions():
 def test_rounds_must_be_positive():
     with pytest.raises(SystemExit):
         serving.parse_args(["--rounds", "0"])
+
+
+def test_restarts_must_be_positive():
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--restarts", "0"])
+    assert serving.parse_args([]).restarts == 1
+
+
+def _run(start: int, round_index: int, wall_s: float, tokens: int) -> serving.Run:
+    timing = serving.Timing(0.0)
+    timing.completion_tokens = tokens
+    return serving.Run(start, round_index, wall_s, [timing])
+
+
+def test_ratio_by_start_pools_each_start_then_averages_the_starts():
+    alone = [_run(0, 0, 1.0, 100), _run(0, 1, 1.0, 100), _run(1, 0, 2.0, 100), _run(1, 1, 2.0, 100)]
+    # start 0: 200 tokens in 2.5 s against 200 in 2.0 s -> 0.8; start 1: 200 in 2.0 s against 200 in 4.0 s -> 2.0
+    variant = [_run(0, 0, 1.0, 100), _run(0, 1, 1.5, 100), _run(1, 0, 1.0, 100), _run(1, 1, 1.0, 100)]
+    summary = serving.ratio_by_start(variant, alone)
+    assert summary["start_vs_alone"] == pytest.approx([0.8, 2.0])
+    assert summary["vs_alone_mean_of_starts"] == pytest.approx(1.4)
+    assert summary["vs_alone_standard_error"] == pytest.approx(0.6)  # stdev 0.8485 / sqrt(2)
+    assert serving.format_by_start(summary | {"start_vs_alone": [0.8, 2.0]}) == "1.400 +- 0.600 (2 starts)"
+
+
+def test_one_start_has_no_standard_error():
+    summary = serving.ratio_by_start([_run(0, 0, 1.0, 90)], [_run(0, 0, 1.0, 100)])
+    assert summary["start_vs_alone"] == pytest.approx([0.9])
+    assert summary["vs_alone_standard_error"] is None
+    assert serving.format_by_start(summary) == "0.900 (1 start)"
