@@ -19,6 +19,7 @@ from vlmspec.drafters.dspark import DSparkProposer
 from vlmspec.drafters.prompt_lookup import PromptLookup
 from vlmspec.engine import SpecEngine
 from vlmspec.serving import BatchEngine
+from vlmspec.targets.ragged import RaggedBatch
 from vlmspec.types import DEFAULT_POSITION_RULE, ContextUpdate, DraftBlock, SamplingParams
 
 PROMPTS = [
@@ -150,6 +151,38 @@ def test_a_dspark_drafter_drafts_after_skipped_steps_as_if_it_had_drafted_all_al
     resumed = [k for k, c in enumerate(paused) if c is not None]
     for k in resumed:  # same committed context, so the same drafter state: the same confidences
         torch.testing.assert_close(paused[k], always[k], rtol=1e-5, atol=1e-6)
+
+
+def test_the_drafter_reads_the_features_of_every_span_it_absorbs_from_beside_the_kv(make_target):
+    """Requests start and commit without features; the proposer gets them from the runner when it drafts.
+
+    The long request sits out drafting while the short one runs, then drafts alone: the spans it
+    absorbs join into the committed sequence, and their features are a cold prefill's of it.
+    """
+    target = make_target("qwen2_vl")
+    proposer = DSparkProposer(tiny_drafter(target))
+    absorbed: list[ContextUpdate] = []
+    propose = proposer.propose
+
+    def recording(states, updates, params, generators):
+        absorbed.append(updates[0])  # one request drafts at a time here (speculate_up_to=1)
+        return propose(states, updates, params, generators)
+
+    proposer.propose = recording
+    engine = BatchEngine(target, proposer, VerifyNothing(), speculate_up_to=1)
+    long_id = engine.add_request(None, "Tell me everything about rain.", max_new_tokens=14)
+    engine.add_request(None, "Hi", max_new_tokens=5)
+    while engine.has_unfinished:
+        engine.step()
+    ids = torch.cat([u.token_ids for u in absorbed])
+    features = torch.cat([u.features for u in absorbed])
+    prompt = target.row_prompt(target.build_inputs(None, "Tell me everything about rain.")).ids
+    answer = engine.result(long_id).token_ids
+    # every span once, up to the last round's anchor (the answer's last token but one, which drew the last)
+    assert ids.tolist() == prompt.tolist() + answer[:-2]
+    assert absorbed[0].token_ids.numel() > prompt.numel()  # the first draft caught up on the skipped steps
+    (cold,) = RaggedBatch(target, feature_layers=proposer.feature_layers).prefill([ids])
+    torch.testing.assert_close(features, cold.features, atol=1e-4, rtol=1e-4)
 
 
 def test_step_by_step_with_joins_leaves_and_an_abort(make_target, astronaut, coffee):

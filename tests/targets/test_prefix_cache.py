@@ -111,6 +111,18 @@ def test_a_prompt_prefilled_in_chunks_equals_it_prefilled_whole(make_target, fam
     assert batch.lengths.tolist() == [p.length for p in prompts]
 
 
+def test_features_of_reads_any_span_of_a_row_across_its_blocks(make_target):
+    target = make_target("qwen2_vl")
+    batch = RaggedBatch(target, feature_layers=LAYERS)
+    (step,) = batch.prefill([torch.arange(3, 43)])  # 40 tokens: blocks of 16, 16 and 8
+    whole = batch.features_of(0, 40)
+    torch.testing.assert_close(whole, step.features, atol=0, rtol=0)
+    for start, end in ((0, 1), (15, 17), (16, 32), (20, 40), (39, 40), (7, 7)):
+        torch.testing.assert_close(batch.features_of(0, end, start), whole[start:end], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="holds 40 tokens"):
+        batch.features_of(0, 41, 30)
+
+
 def test_a_shared_block_lives_while_a_row_holds_it_then_idles_then_is_evicted(make_target):
     target = make_target("qwen2_vl")
     text = "Tell me a long story about a lighthouse keeper and the sea, with many details."

@@ -48,7 +48,7 @@ import os
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,7 +90,6 @@ class _Verified:
     rows: list[int]  # the ragged rows that took part
     plan: VerifyPlan  # their verification inputs: input_ids [R', 1 + w]
     result: VerifyResult  # num_accepted [R'], next_tokens [R']
-    features: torch.Tensor | None  # [R', 1 + w, m * d] hooked target features of the inputs, or None
     draft_s: float  # drafting and scheduling
     verify_s: float  # the target forward and verification
 
@@ -527,16 +526,18 @@ class BatchEngine:
 
     def _start(self, row: int, entry: _Entry, last: TargetStep) -> None:
         """The request's prompt is all in its row: draw its first token and open its drafter state (after a
-        preemption: reopen the drafter's state, nothing is drawn)."""
+        preemption: reopen the drafter's state, nothing is drawn).
+
+        The prompt's features stay beside its KV: the drafter reads them when it first drafts for the
+        request (:meth:`_context_features`), so a request that never drafts never copies them."""
         prompt, entry.prompt = entry.prompt, None
-        features = self._batch.features_of(row, prompt.length)
         if entry.request.tokens:
             after = prompt.end + prompt.rope_delta  # the anchor's 1-D position
             self.decoder.resume(
-                entry.request, PrefillOutput(prompt.ids, prompt.positions_1d(), features, last.logits[-1], after)
+                entry.request, PrefillOutput(prompt.ids, prompt.positions_1d(), None, last.logits[-1], after)
             )
             return
-        step = TargetStep(logits=last.logits, features=features, positions=prompt.positions_1d())
+        step = TargetStep(logits=last.logits, features=None, positions=prompt.positions_1d())
         start_request(self.target, self.decoder, entry.request, entry.inputs, step, entry.prefill_s, prompt.rope_delta)
         entry.inputs = None  # the processor outputs (pixels) are not needed any more
 
@@ -555,7 +556,10 @@ class BatchEngine:
         tick = time.perf_counter()
         try:
             drafting = self.speculate_up_to is None or len(requests) <= self.speculate_up_to
-            drafts = self.decoder.propose(requests) if drafting else self.decoder.skip_drafting(requests)
+            if drafting:
+                drafts = self.decoder.propose(requests, self._context_features(rows))
+            else:
+                drafts = self.decoder.skip_drafting(requests)
         except Exception as batch_error:  # noqa: BLE001 - nothing was committed: find the request that fails
             outputs = self._isolate(rows, None, undrafted, batch_error)
         else:
@@ -569,6 +573,21 @@ class BatchEngine:
                 outputs = self._commit(verified)
         self._retire()
         return outputs
+
+    def _context_features(self, rows: list[int]) -> Callable[[int, int], torch.Tensor]:
+        """The step API's reader of drafter context: request i (of ``rows``)'s last n committed tokens' features.
+
+        The runner keeps every token's hooked features beside its KV, so requests start and commit
+        without them and the drafter reads only the spans it absorbs, when it drafts: a request
+        that never drafts (under load the defaults draft for no one) never copies its features.
+        Its pending spans end at its row's length: the anchor drawn last is not in the KV yet.
+        """
+
+        def read(i: int, n: int) -> torch.Tensor:
+            end = int(self._batch.lengths[rows[i]])
+            return self._batch.features_of(rows[i], end, end - n)
+
+        return read
 
     def _isolate(
         self, rows: list[int], drafts: DraftBlock | None, generators: GeneratorStates, batch_error: Exception
@@ -585,7 +604,10 @@ class BatchEngine:
             generators.restore(i)
             try:
                 tick = time.perf_counter()
-                own = drafts.select([i]) if drafts is not None else self.decoder.propose([entry.request])
+                if drafts is not None:
+                    own = drafts.select([i])
+                else:
+                    own = self.decoder.propose([entry.request], self._context_features([row]))
                 verified = self._verify([row], own, time.perf_counter() - tick)
             except Exception as err:  # noqa: BLE001
                 entry.request.finish("error", err)
@@ -633,22 +655,21 @@ class BatchEngine:
                 "internal invariant broken: the target's positions of the verified tokens differ from the "
                 "drafter's 1-D positions (the step API's plan); please report this with the request"
             )
-        logits, features = step.logits, step.features  # [R, 1 + w, V], [R, 1 + w, m * d] or None
+        logits = step.logits  # [R, 1 + w, V]; the inputs' features are beside their KV (_context_features)
         if index is not None:
             logits = logits[index.to(logits.device)]
-            features = None if features is None else features[index.to(features.device)]
-        result = self.decoder.verify(requests, plan, logits, features)
+        result = self.decoder.verify(requests, plan, logits)
         keep = result.num_accepted + 1  # [R'] the anchor and the accepted drafts stay in the KV cache
         if index is not None:
             keep = torch.zeros(len(lengths), dtype=torch.long).index_copy_(0, index, keep)
         self._batch.advance(keep)  # validates, then sets every row's length: all at once or not at all
-        return _Verified(rows, plan, result, features, draft_s + tock - tick, time.perf_counter() - tock)
+        return _Verified(rows, plan, result, draft_s + tock - tick, time.perf_counter() - tock)
 
     def _commit(self, verified: _Verified) -> list[StepOutput]:
         """The commit phase: each request of the step commits its round, once (a failure ends only that request)."""
         entries = [self._running[row] for row in verified.rows]
         requests = [entry.request for entry in entries]
-        accepted = self.decoder.commit(requests, verified.plan, verified.result, verified.features)
+        accepted = self.decoder.commit(requests, verified.plan, verified.result)
         outputs = []
         for entry, row, record in zip(entries, verified.rows, accepted.records, strict=True):
             request = entry.request

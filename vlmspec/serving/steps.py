@@ -50,8 +50,8 @@ only from these calls. What this module does not know: the target, its cache, M-
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -70,6 +70,9 @@ from vlmspec.types import (
     VerifyResult,
 )
 from vlmspec.verify import verify_rows
+
+# (i, n) -> [n, m * d]: the hooked features of request i's last n committed tokens (see SpecDecoder.propose)
+ContextFeatures = Callable[[int, int], torch.Tensor]
 
 
 @dataclass
@@ -270,23 +273,34 @@ class SpecDecoder:
         )
 
     # ---------------------------------------------------------------- steps
-    def propose(self, requests: Sequence[SpecRequest]) -> DraftBlock:
+    def propose(self, requests: Sequence[SpecRequest], context_features: ContextFeatures | None = None) -> DraftBlock:
         """Drafts for every request in one proposer call: tokens [R, gamma], num_tokens [R], confidences [R, gamma].
 
         Requests with ``speculative=False`` are left out of the call and get no drafts.
+        ``context_features``: for a host that started and committed its requests without
+        features (``features=None``) because it keeps them itself, a reader of request
+        ``requests[i]``'s last ``n`` committed tokens' features ([n, m * d]): only the spans
+        the proposer absorbs now are read, so a request that never drafts never copies any.
         """
         _check_running(requests)
         drafting = [row for row, request in enumerate(requests) if request.options.speculative]
         if not drafting:
             return self.skip_drafting(requests)
         if len(drafting) < len(requests):
-            return self._propose([requests[row] for row in drafting]).scattered(drafting, len(requests))
-        return self._propose(requests)
+            read = None if context_features is None else lambda i, n: context_features(drafting[i], n)
+            return self._propose([requests[row] for row in drafting], read).scattered(drafting, len(requests))
+        return self._propose(requests, context_features)
 
-    def _propose(self, requests: Sequence[SpecRequest]) -> DraftBlock:  # every request speculates
+    def _propose(self, requests: Sequence[SpecRequest], context_features: ContextFeatures | None) -> DraftBlock:
+        updates = [ContextUpdate.joined([*r.skipped_updates, r.update]) for r in requests]  # every request speculates
+        if context_features is not None and self.proposer.feature_layers:
+            updates = [
+                u if u.features is not None else replace(u, features=context_features(i, u.token_ids.numel()))
+                for i, u in enumerate(updates)
+            ]
         drafts = self.proposer.propose(
             [r.draft_state for r in requests],
-            [ContextUpdate.joined([*r.skipped_updates, r.update]) for r in requests],
+            updates,
             [r.params for r in requests],
             [r.generator for r in requests],
         )

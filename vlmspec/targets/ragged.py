@@ -259,13 +259,16 @@ class RaggedBatch:
             wanted += max(0, -(-held // size) - len(self._blocks[row]))
         return wanted
 
-    def features_of(self, row: int, end: int) -> torch.Tensor | None:  # -> [end, m * d] or None
-        """The hooked features of row ``row``'s first ``end`` tokens, read from beside its KV (None: no layers)."""
+    def features_of(self, row: int, end: int, start: int = 0) -> torch.Tensor | None:  # -> [end - start, m * d]
+        """The hooked features of row ``row``'s tokens ``start`` to ``end``, read from beside its KV (None: no layers)."""
         if self.pool.features is None:
             return None
+        if not 0 <= start <= end <= int(self.lengths[row]):
+            raise ValueError(f"row {row} holds {int(self.lengths[row])} tokens; features {start}:{end} asked for")
         size = self.pool.block_size
-        blocks = torch.tensor(self._blocks[row][: -(-end // size)], device=self.pool.features.device)
-        return self.pool.features[blocks].flatten(0, 1)[:end]
+        first = start // size
+        blocks = torch.tensor(self._blocks[row][first : -(-end // size)], device=self.pool.features.device)
+        return self.pool.features[blocks].flatten(0, 1)[start - first * size : end - first * size]
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached block (done on its own when the fast path sees new weights or the target's ``decode``
@@ -412,9 +415,11 @@ class RaggedBatch:
 
         Piece i continues row ``rows[i]``, whose length must be ``pieces[i].start``
         (:meth:`RowPrompt.piece`). Every other row sits this forward out. Returns, per piece,
-        the prediction after its last token (logits [1, V] float32), the hooked features of
-        its tokens ([n_i, m * d], or None) and their 1-D positions ([n_i]). If the forward
-        fails, no row's length changes (it wrote only past them).
+        the prediction after its last token (logits [1, V] float32) and its tokens' 1-D
+        positions ([n_i]); their hooked features are written beside their KV, where
+        :meth:`features_of` reads a row's whole prompt (``features`` is None: a copy per piece,
+        kept until its prompt is whole, cost a server fresh memory, page faults, for every
+        prompt token). If the forward fails, no row's length changes (it wrote only past them).
 
         With ``batch_invariant`` the pieces run as a decode step runs, in as many forwards as
         that takes (:meth:`_extend_decode_sized`); a failure then leaves every row as it was too.
@@ -444,7 +449,6 @@ class RaggedBatch:
         per_row = min(KERNEL_ATTENTION_MAX_QUERIES, most)
         done = [0] * len(pieces)  # tokens of each piece already run
         logits: list[torch.Tensor | None] = [None] * len(pieces)  # [1, V] after each piece's last token so far
-        features: list[list[torch.Tensor]] = [[] for _ in pieces]  # each part's [n, m * d], in order
         try:
             while any(n < p.length for n, p in zip(done, pieces)):
                 chosen, parts, total = [], [], 0
@@ -458,14 +462,12 @@ class RaggedBatch:
                 for i, part, step in zip(chosen, parts, steps, strict=True):
                     done[i] += part.length
                     logits[i] = step.logits
-                    if step.features is not None:
-                        features[i].append(step.features)
         except Exception:
             self.lengths = lengths  # the rows as they were; what was written past them is unused
             raise
         return [
-            TargetStep(logits=last, features=torch.cat(parts) if parts else None, positions=piece.positions_1d())
-            for piece, last, parts in zip(pieces, logits, features, strict=True)
+            TargetStep(logits=last, features=None, positions=piece.positions_1d())
+            for piece, last in zip(pieces, logits, strict=True)
         ]
 
     def _extend_once(self, rows: Sequence[int], pieces: Sequence[RowPrompt]) -> list[TargetStep]:
@@ -486,18 +488,13 @@ class RaggedBatch:
         layout = self._layout(num_tokens, width)
         ends = torch.cumsum(torch.tensor([p.length for p in ordered]), 0)  # [P] packed end of each piece
         positions = self.lengths[:, None] + torch.arange(width)  # [R, W]: a text piece continues its row
-        logits, features = self._forward(tokens, positions, num_tokens, layout, ends - 1, mrope, pack_vision(ordered))
+        logits, _ = self._forward(tokens, positions, num_tokens, layout, ends - 1, mrope, pack_vision(ordered))
         self.lengths = self.lengths + num_tokens
         self._pending = None
         self._cache_full_blocks([rows[i] for i in order])
         steps = [None] * len(pieces)
         for k, i in enumerate(order):
-            span = slice(int(ends[k] - ordered[k].length), int(ends[k]))
-            steps[i] = TargetStep(
-                logits=logits[k : k + 1],
-                features=None if features is None else features[span],
-                positions=ordered[k].positions_1d(),
-            )
+            steps[i] = TargetStep(logits=logits[k : k + 1], features=None, positions=ordered[k].positions_1d())
         return steps
 
     def advance(self, keep: torch.Tensor | Sequence[int]) -> None:  # keep: [R] int64
