@@ -76,6 +76,73 @@ ContextFeatures = Callable[[int, int], torch.Tensor]
 
 
 @dataclass
+class PendingContext:
+    """What a request's proposer has not absorbed yet: committed spans that have target features, then the anchor.
+
+    The prompt's span stays as the prefill gave it (tensors); the spans of later rounds are kept as
+    Python ints and, when the host hands features to ``commit``, their feature rows. So a request that
+    sits out drafting for many steps (every request under load, with the serving defaults) holds the same
+    few tensors throughout, not two more each step: long-lived tensors of a few bytes, made every step,
+    split the allocator's free chunks so that each step's logits ([R, V] float32) landed on fresh pages
+    (768 page faults, about 1.5 ms of a 16-row step on the 2-core EPYC: docs/design.md §21.5).
+    """
+
+    anchor: int  # the last committed token (the target has not run it yet): the next round's first input
+    anchor_position: int  # its 1-D text-stream position
+    prompt_ids: torch.Tensor | None = None  # [L] int64 the prefill's tokens, until the proposer absorbs them
+    prompt_positions: torch.Tensor | None = None  # [L] int64 their 1-D positions
+    prompt_features: torch.Tensor | None = None  # [L, m * d] their hooked features, or None
+    token_ids: list[int] = field(default_factory=list)  # [n] later rounds' committed inputs, in order
+    positions: list[int] = field(default_factory=list)  # [n] their 1-D positions
+    features: list[torch.Tensor] | None = field(default_factory=list)  # their [k, m * d] rows; None: a round had none
+
+    @classmethod
+    def of_prefill(cls, prefill: PrefillOutput, anchor: int) -> PendingContext:
+        """The prompt's span, anchored at ``anchor`` (the first token drawn, or a resumed request's last)."""
+        return cls(
+            anchor=anchor,
+            anchor_position=int(prefill.next_position),
+            prompt_ids=prefill.token_ids.reshape(-1).cpu(),
+            prompt_positions=prefill.positions.reshape(-1).cpu(),
+            prompt_features=prefill.features,
+        )
+
+    def extend(
+        self,
+        token_ids: list[int],  # [k] a round's committed inputs: the anchor and the accepted drafts
+        positions: list[int],  # [k]
+        features: torch.Tensor | None,  # [k, m * d] or None
+        anchor: int,
+        anchor_position: int,
+    ) -> None:
+        """Append a round's span and move the anchor past it."""
+        self.token_ids += token_ids
+        self.positions += positions
+        if features is None:
+            self.features = None
+        elif self.features is not None:
+            self.features.append(features)
+        self.anchor, self.anchor_position = anchor, anchor_position
+
+    def update(self) -> ContextUpdate:
+        """Every pending span as one :class:`ContextUpdate` (what the proposer absorbs this round)."""
+        ids = torch.tensor(self.token_ids, dtype=torch.long)  # [n]
+        positions = torch.tensor(self.positions, dtype=torch.long)  # [n]
+        rows = self.features
+        if self.prompt_ids is not None:
+            ids, positions = torch.cat((self.prompt_ids, ids)), torch.cat((self.prompt_positions, positions))
+            rows = None if rows is None or self.prompt_features is None else [self.prompt_features, *rows]
+        features = None
+        if rows:
+            features = rows[0] if len(rows) == 1 else torch.cat([row.to(rows[0].device) for row in rows])
+        return ContextUpdate(ids, positions, features, self.anchor, self.anchor_position)
+
+    def absorbed(self) -> PendingContext:
+        """What is pending once the proposer has absorbed every span: the anchor alone."""
+        return PendingContext(self.anchor, self.anchor_position)
+
+
+@dataclass
 class SpecRequest:
     """One request as the step API sees it: how it samples and stops, the drafter's state, its output.
 
@@ -88,9 +155,7 @@ class SpecRequest:
     eos_token_ids: frozenset[int]
     tokenizer: Any = None  # decodes the output's tail for stop strings (needed only with stop strings)
     draft_state: Any = None  # the proposer's own per-request state (proposer.new_state())
-    update: ContextUpdate | None = None  # what the proposer absorbs at the start of the next step
-    update_proposed: bool = False  # the proposer has seen ``update``
-    skipped_updates: list[ContextUpdate] = field(default_factory=list)  # spans of steps that skipped drafting
+    pending: PendingContext | None = None  # what the proposer absorbs when it next drafts (None: not started)
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "eos", "stop", "length", "context", "abort" or "error"
     error: BaseException | None = None  # why the request failed (finish_reason "error")
@@ -237,20 +302,14 @@ class SpecDecoder:
 
     def start(self, request: SpecRequest, prefill: PrefillOutput) -> list[int]:
         """After the host's prefill: draw the first token, commit it, and open the drafter's state."""
-        if request.update is not None or request.tokens:
+        if request.pending is not None or request.tokens:
             raise ValueError("start() takes a new request (this one has already started)")
         logits = prefill.logits.reshape(1, -1)  # [1, V]
         first = int(sample(target_probs(logits, request.params), [request.generator])[0])
         committed = request.commit([first])
         # A request that does not speculate never reaches the proposer: no drafter state, no spans kept for it.
         request.draft_state = self.proposer.new_state() if request.options.speculative else None
-        request.update = ContextUpdate(
-            token_ids=prefill.token_ids.reshape(-1).cpu(),
-            positions=prefill.positions.reshape(-1).cpu(),
-            features=prefill.features,
-            anchor=first,
-            anchor_position=int(prefill.next_position),
-        )
+        request.pending = PendingContext.of_prefill(prefill, first)
         return committed
 
     def resume(self, request: SpecRequest, prefill: PrefillOutput) -> None:
@@ -263,14 +322,7 @@ class SpecDecoder:
         if not request.tokens or request.finished:
             raise ValueError("resume() takes a started, unfinished request")
         request.draft_state = self.proposer.new_state() if request.options.speculative else None
-        request.skipped_updates, request.update_proposed = [], False
-        request.update = ContextUpdate(
-            token_ids=prefill.token_ids.reshape(-1).cpu(),
-            positions=prefill.positions.reshape(-1).cpu(),
-            features=prefill.features,
-            anchor=request.tokens[-1],
-            anchor_position=int(prefill.next_position),
-        )
+        request.pending = PendingContext.of_prefill(prefill, request.tokens[-1])
 
     # ---------------------------------------------------------------- steps
     def propose(self, requests: Sequence[SpecRequest], context_features: ContextFeatures | None = None) -> DraftBlock:
@@ -292,7 +344,7 @@ class SpecDecoder:
         return self._propose(requests, context_features)
 
     def _propose(self, requests: Sequence[SpecRequest], context_features: ContextFeatures | None) -> DraftBlock:
-        updates = [ContextUpdate.joined([*r.skipped_updates, r.update]) for r in requests]  # every request speculates
+        updates = [r.pending.update() for r in requests]  # every request speculates; spans of skipped steps included
         if context_features is not None and self.proposer.feature_layers:
             updates = [
                 u if u.features is not None else replace(u, features=context_features(i, u.token_ids.numel()))
@@ -305,8 +357,7 @@ class SpecDecoder:
             [r.generator for r in requests],
         )
         for request in requests:
-            request.update_proposed = True
-            request.skipped_updates.clear()
+            request.pending = request.pending.absorbed()
         if drafts.tokens.dim() != 2 or drafts.tokens.shape[0] != len(requests):
             raise ValueError(
                 f"{type(self.proposer).__name__}.propose returned tokens of shape {tuple(drafts.tokens.shape)} "
@@ -369,9 +420,9 @@ class SpecDecoder:
         return VerifyPlan(
             drafts=drafts,
             block=block,
-            input_ids=torch.tensor([[r.update.anchor, *ids] for r, ids in zip(requests, drafted_ids)]).view(-1, width),
+            input_ids=torch.tensor([[r.pending.anchor, *ids] for r, ids in zip(requests, drafted_ids)]).view(-1, width),
             num_inputs=torch.tensor([1 + n for n in lengths], dtype=torch.long),
-            positions=torch.tensor([[r.update.anchor_position + i for i in range(width)] for r in requests]).view(
+            positions=torch.tensor([[r.pending.anchor_position + i for i in range(width)] for r in requests]).view(
                 -1, width
             ),
         )
@@ -461,16 +512,12 @@ class SpecDecoder:
             inputs, positions = plan.input_ids[row], plan.positions[row]
             committed = request.commit(inputs[1 : accepted + 1] + [next_token])
             kept = slice(0, accepted + 1)  # the anchor and the accepted drafts now have target features
-            update = ContextUpdate(
-                token_ids=torch.tensor(inputs[kept], dtype=torch.long),
-                positions=torch.tensor(positions[kept], dtype=torch.long),
-                features=None if features is None else features[row, kept],
-                anchor=committed[-1],
-                anchor_position=positions[accepted] + 1,
-            )
-            if not request.update_proposed and request.options.speculative:  # skipped: keep the span for the proposer
-                request.skipped_updates.append(request.update)
-            request.update, request.update_proposed = update, False
+            anchor, anchor_position = committed[-1], positions[accepted] + 1
+            if request.options.speculative:  # kept for the proposer (with the spans of steps it sat out)
+                span_features = None if features is None else features[row, kept]
+                request.pending.extend(inputs[kept], positions[kept], span_features, anchor, anchor_position)
+            else:  # the proposer never sees this request: only the anchor matters
+                request.pending = PendingContext(anchor, anchor_position)
             confidences = _row_confidences(plan.confidences, row)
         except Exception as err:  # noqa: BLE001 - isolated to this request, reported on it
             request.finish("error", err)
@@ -493,7 +540,7 @@ def _check_running(requests: Sequence[SpecRequest]) -> None:
     if not requests:
         raise ValueError("a step needs at least one request")
     for request in requests:
-        if request.update is None:
+        if request.pending is None:
             raise ValueError("a request takes part in steps only after start(request, prefill)")
         if request.finished:
             raise ValueError(f"a finished request ({request.finish_reason}) must leave the batch before the next step")
