@@ -40,8 +40,11 @@ def packed_linears():
 class Slots:
     """A KV pool, the rows' block tables and each packed token's row and slot (the decoder's KVSlots)."""
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], tables, rows, slots) -> None:
+    def __init__(
+        self, keys: list[torch.Tensor], values: list[torch.Tensor], tables, rows, slots, features=None
+    ) -> None:
         self.keys, self.values = keys, values
+        self.features = features  # [N, bs, m * d] the feature plane, or None: the decoder returns the features
         self.tables, self.rows, self.slots = tables, rows, slots  # [R, M], [B], [B] int64
         size = keys[0].shape[2]
         self.blocks, self.offsets = tables[rows, slots // size], slots % size  # [B] each
@@ -67,7 +70,7 @@ def random_buffers(decoder: PackedDecoder, blocks: int, block_size: int, dtype: 
     return [torch.randn(shape, generator=generator).to(dtype) for _ in decoder.layers]
 
 
-def packed_step(decoder: PackedDecoder, per_row: list[int], dtype: torch.dtype):
+def packed_step(decoder: PackedDecoder, per_row: list[int], dtype: torch.dtype, plane: torch.Tensor | None = None):
     """One packed forward over rows with committed lengths 21, 0, 9: logits, features and the KV pool after it.
 
     The pool holds 8 blocks of 16 slots, and each row's two blocks are scattered over it (row 0's
@@ -90,7 +93,7 @@ def packed_step(decoder: PackedDecoder, per_row: list[int], dtype: torch.dtype):
         return cpu_kernels.paged_attention(q, k, v, tables, rows, visible, scaling)
 
     before = [k.clone() for k in keys]
-    kv = Slots(keys, values, tables, rows, slots)
+    kv = Slots(keys, values, tables, rows, slots, plane)
     logits, features = decoder(ids, positions, kv, attend, FEATURE_LAYERS)
     return logits, features, keys, values, before, (kv.blocks, kv.offsets)
 
@@ -118,6 +121,29 @@ def test_native_step_equals_the_python_reference_bit_for_bit(make_target, family
     written[blocks, offsets] = True
     changed = (keys[0] != before[0]).any(dim=-1).any(dim=1)  # [N, bs]: slots whose keys the step rewrote
     assert torch.equal(changed, written)  # the new keys landed in their slots, and nowhere else
+
+
+@pytest.mark.parametrize("family", NATIVE_FAMILIES)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_the_native_step_writes_the_hooked_features_beside_the_kv_as_the_reference_does(
+    make_target, family, dtype, packed_linears
+):
+    """With the runner's feature plane the features land at each token's block and offset, bit for bit."""
+    target = target_of(make_target, family, dtype)
+    native, python = PackedDecoder(target.model), PackedDecoder(target.model)
+    python.native = None
+    width = len(FEATURE_LAYERS) * target.model.config.get_text_config().hidden_size
+    planes = [torch.full((8, 16, width), 7.0, dtype=dtype) for _ in range(2)]  # [N, bs, m * d]: 7 where unwritten
+    per_row = [3, 1, 4]
+    _, returned, *_ = packed_step(native, per_row, dtype)
+    logits, none, _, _, _, (blocks, offsets) = packed_step(native, per_row, dtype, planes[0])
+    expected_logits, also_none, *_ = packed_step(python, per_row, dtype, planes[1])
+    assert none is None and also_none is None and torch.equal(logits, expected_logits)
+    assert torch.equal(planes[0], planes[1])
+    assert torch.equal(planes[0][blocks, offsets], returned)  # what the step returns without a plane
+    untouched = torch.ones(8, 16, dtype=torch.bool)
+    untouched[blocks, offsets] = False
+    assert planes[0][untouched].eq(7).all()
 
 
 def test_qwen3_vl_keeps_the_python_reference_and_the_others_take_the_native_step(make_target, packed_linears):

@@ -13,7 +13,7 @@ LAYERS = (0, 2)
 
 
 def ragged_steps(target: QwenVLTarget, decode: str, inputs, steps):
-    """Logits and features of a few ragged steps over the prefilled prompts, in one decode mode."""
+    """Each of a few ragged steps over the prefilled prompts, in one decode mode, with its rows' features."""
     target.decode = decode
     try:
         batch = RaggedBatch(target, feature_layers=LAYERS, initial_capacity=8)
@@ -22,7 +22,9 @@ def ragged_steps(target: QwenVLTarget, decode: str, inputs, steps):
         out = []
         for tokens, num_tokens, keep in steps:
             step = batch.verify(tokens, num_tokens)
-            out.append(step)
+            lengths = batch.lengths.tolist()  # the verified inputs' features sit beside their KV, after these
+            features = [batch.features_of(row, n + lengths[row], lengths[row]) for row, n in enumerate(num_tokens)]
+            out.append((step, features))
             batch.advance(keep)
         return out
     finally:
@@ -42,10 +44,10 @@ def test_fast_forward_equals_transformers_forward_with_images_and_ragged_rows(ma
     ]
     fast = ragged_steps(target, "fast", inputs, steps)
     reference = ragged_steps(target, "reference", inputs, steps)
-    for f, r, (_, num_tokens, _) in zip(fast, reference, steps):
+    for (f, f_features), (r, r_features), (_, num_tokens, _) in zip(fast, reference, steps):
         for row, n in enumerate(num_tokens.tolist()):
             torch.testing.assert_close(f.logits[row, :n], r.logits[row, :n], atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(f.features[row, :n], r.features[row, :n], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(f_features[row], r_features[row], atol=1e-4, rtol=1e-4)
         assert torch.equal(f.positions, r.positions)
 
 

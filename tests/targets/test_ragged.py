@@ -16,7 +16,13 @@ def prompts(target, picture):
     ]
 
 
-def check_rows(target, step, alone, tokens, num_tokens, keep):
+def verified_features(batch, row: int, n: int) -> torch.Tensor:
+    """The features the last verify wrote beside the KV for row ``row``'s n inputs (before advance)."""
+    length = int(batch.lengths[row])
+    return batch.features_of(row, length + n, length)
+
+
+def check_rows(target, batch, step, alone, tokens, num_tokens, keep):
     """Compare each row of a ragged step with its request's one-request verify, then roll both back."""
     for row, state in enumerate(alone):
         n = int(num_tokens[row])
@@ -25,7 +31,7 @@ def check_rows(target, step, alone, tokens, num_tokens, keep):
         single = target.verify(state, tokens[row, :n])
         target.rollback(state, keep=int(keep[row]))
         torch.testing.assert_close(step.logits[row, :n], single.logits, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(step.features[row, :n], single.features, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(verified_features(batch, row, n), single.features, atol=1e-4, rtol=1e-4)
         assert torch.equal(step.positions[row, :n], single.positions)
 
 
@@ -49,7 +55,7 @@ def test_rows_of_different_lengths_verify_and_roll_back_as_if_alone(make_target,
     for _ in range(4):  # rows feed 0..5 tokens each and keep any prefix of them
         tokens, num_tokens, keep = random_step(generator, 3)
         step = batch.verify(tokens, num_tokens)
-        check_rows(target, step, alone, tokens, num_tokens, keep)
+        check_rows(target, batch, step, alone, tokens, num_tokens, keep)
         batch.advance(keep)
         assert batch.lengths.tolist() == [state.length for state in alone]
 
@@ -64,7 +70,7 @@ def test_rows_leave_and_join_between_steps(make_target, astronaut):
         alone.append(target.prefill(item, feature_layers=LAYERS)[0])
     generator = torch.Generator().manual_seed(1)
     tokens, num_tokens, keep = random_step(generator, 3)
-    check_rows(target, batch.verify(tokens, num_tokens), alone, tokens, num_tokens, keep)
+    check_rows(target, batch, batch.verify(tokens, num_tokens), alone, tokens, num_tokens, keep)
     batch.advance(keep)
 
     assert batch.remove(0) == 2  # the last row moved into row 0
@@ -76,7 +82,7 @@ def test_rows_leave_and_join_between_steps(make_target, astronaut):
     alone.append(target.prefill(inputs[0], feature_layers=LAYERS)[0])
     for _ in range(2):
         tokens, num_tokens, keep = random_step(generator, 2)
-        check_rows(target, batch.verify(tokens, num_tokens), alone, tokens, num_tokens, keep)
+        check_rows(target, batch, batch.verify(tokens, num_tokens), alone, tokens, num_tokens, keep)
         batch.advance(keep)
 
 
@@ -189,7 +195,7 @@ def test_text_prompts_prefill_together_as_if_alone(make_target, family, astronau
         # decoding goes on from the prefilled rows as from rows that joined after a one-request prefill
         states = [target.prefill(inputs[1], feature_layers=LAYERS)[0]] + [state for state, _ in alone]
         tokens, num_tokens = torch.tensor([[7, 8], [9, 10], [11, 0]]), torch.tensor([2, 2, 1])
-        check_rows(target, batch.verify(tokens, num_tokens), states, tokens, num_tokens, keep=num_tokens)
+        check_rows(target, batch, batch.verify(tokens, num_tokens), states, tokens, num_tokens, keep=num_tokens)
     finally:
         target.decode = "fast"
 
@@ -234,7 +240,7 @@ def test_image_and_text_prompts_prefill_together_as_if_alone(make_target, family
         # decoding goes on from the rows as from requests prefilled alone
         states = [target.prefill(inputs[1], feature_layers=LAYERS)[0]] + [state for state, _ in alone]
         tokens, num_tokens = torch.tensor([[7, 8], [9, 10], [11, 0], [12, 13]]), torch.tensor([2, 2, 1, 2])
-        check_rows(target, batch.verify(tokens, num_tokens), states, tokens, num_tokens, keep=num_tokens)
+        check_rows(target, batch, batch.verify(tokens, num_tokens), states, tokens, num_tokens, keep=num_tokens)
     finally:
         target.decode = "fast"
 
@@ -309,5 +315,7 @@ def test_a_batch_invariant_verify_of_many_rows_gives_each_row_its_bits_alone(mak
         only = torch.zeros(10, dtype=torch.long)
         only[row] = 8
         own = alone.verify(tokens, only)
+        own_features = verified_features(alone, row, 8)
         alone.advance(torch.zeros(10, dtype=torch.long))  # nothing kept: the next row sees the same KV
-        assert torch.equal(step.logits[row], own.logits[row]) and torch.equal(step.features[row], own.features[row])
+        assert torch.equal(step.logits[row], own.logits[row])
+        assert torch.equal(verified_features(together, row, 8), own_features)

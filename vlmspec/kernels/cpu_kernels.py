@@ -333,13 +333,16 @@ def decoder_layers(
     rows: torch.Tensor,  # [B] int64 row of each token
     slots: torch.Tensor,  # [B] int64 its slot in its row: written there, attends slots 0 .. slots[b]
     feature_layers: list[int],
-) -> list[torch.Tensor]:  # [hidden after the last layer [B, d], then after each of feature_layers]
+    plane: torch.Tensor | None = None,  # [N, bs, m * d] where the feature layers' outputs go, beside the KV
+) -> list[torch.Tensor]:  # [hidden after the last layer [B, d], then after each of feature_layers unless plane]
     """Every decoder layer of a packed step in one call: the Python reference's kernel calls, in its order, from C++.
 
-    :class:`vlmspec.targets.packed.PackedDecoder` builds ``weights`` when it packs.
+    :class:`vlmspec.targets.packed.PackedDecoder` builds ``weights`` when it packs. With ``plane``
+    each token's hooked hidden states are written at its K/V's block and offset (layer j of m in
+    columns j * d to (j + 1) * d) and only the last layer's output comes back.
     """
     return torch.ops.vlmspec.decoder_layers(
-        weights, hidden, cos, signed_sin, keys, values, tables, rows, slots, feature_layers
+        weights, hidden, cos, signed_sin, keys, values, tables, rows, slots, feature_layers, plane
     )
 
 

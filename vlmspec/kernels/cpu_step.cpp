@@ -117,8 +117,22 @@ struct StepInputs {
 };
 
 // The layer sequence, once for the whole step (see the top of the file).
+// Team member 0 copies the hidden states after feature layer j (of m) into the plane [N, bs, m * d], each token
+// beside its K/V: block blocks[b], offset offsets[b], columns j * d to (j + 1) * d.
+void write_plane(const at::Tensor& plane, const at::Tensor& state, const int64_t* blocks, const int64_t* offsets,
+                 int64_t j) {
+  const int64_t B = state.size(0), d = state.size(1), bs = plane.size(1), width = plane.size(2);
+  const size_t row_bytes = d * state.element_size();
+  char* base = static_cast<char*>(plane.data_ptr());
+  const char* source = static_cast<const char*>(state.data_ptr());
+  for (int64_t b = 0; b < B; ++b)
+    std::memcpy(base + ((blocks[b] * bs + offsets[b]) * width + j * d) * state.element_size(), source + b * row_bytes,
+                row_bytes);
+}
+
 std::vector<at::Tensor> team_step(const DecoderWeights& weights, const at::Tensor& hidden, const StepInputs& step,
-                                  at::TensorList keys, at::TensorList values, at::IntArrayRef feature_layers) {
+                                  at::TensorList keys, at::TensorList values, at::IntArrayRef feature_layers,
+                                  const at::Tensor* plane) {
   const int64_t B = hidden.size(0), d = hidden.size(1), H = weights.heads, hd = weights.head_dim;
   const std::vector<DecoderLayerWeights>& layers = weights.layers;
   const int64_t inner = layers[0].gate_up.out / 2;
@@ -127,8 +141,9 @@ std::vector<at::Tensor> team_step(const DecoderWeights& weights, const at::Tenso
   const at::Tensor qkv = at::empty({B, layers[0].qkv.out}, options), q = at::empty({B, H, hd}, options);
   const at::Tensor attended = at::empty({B, H, hd}, options), projected = at::empty({B, d}, options);
   const at::Tensor gate_up = at::empty({B, 2 * inner}, options), product = at::empty({B, inner}, options);
-  std::vector<at::Tensor> out(1 + feature_layers.size());
-  for (size_t j = 0; j < feature_layers.size(); ++j) out[1 + j] = at::empty({B, d}, options);
+  // With a plane the hooked states go beside the KV and only the last layer's come back.
+  std::vector<at::Tensor> out(plane ? 1 : 1 + feature_layers.size());
+  for (size_t j = 1; j < out.size(); ++j) out[j] = at::empty({B, d}, options);
   const int64_t* rows = step.rows.data_ptr<int64_t>();
   const int64_t* blocks = step.blocks.data_ptr<int64_t>();
   const int64_t* offsets = step.offsets.data_ptr<int64_t>();
@@ -169,8 +184,12 @@ std::vector<at::Tensor> team_step(const DecoderWeights& weights, const at::Tenso
       add_into(state, projected, state);
 #pragma omp barrier
       for (size_t j = 0; j < feature_layers.size(); ++j)  // read-only until the next add, two barriers on
-        if (feature_layers[j] == static_cast<int64_t>(index) && team.member == 0)
-          std::memcpy(out[1 + j].data_ptr(), state.data_ptr(), state.nbytes());
+        if (feature_layers[j] == static_cast<int64_t>(index) && team.member == 0) {
+          if (plane)
+            write_plane(*plane, state, blocks, offsets, static_cast<int64_t>(j));
+          else
+            std::memcpy(out[1 + j].data_ptr(), state.data_ptr(), state.nbytes());
+        }
     }
     current_team = nullptr;
   }
@@ -221,25 +240,37 @@ void check_inputs(const DecoderWeights& weights, const at::Tensor& hidden, const
                 layers, " layers");
 }
 
+void check_plane(const at::Tensor& plane, const at::Tensor& hidden, const at::Tensor& pool, int64_t layers_hooked) {
+  TORCH_CHECK(plane.dim() == 3 && plane.is_contiguous() && plane.scalar_type() == hidden.scalar_type() &&
+                  plane.size(0) == pool.size(0) && plane.size(1) == pool.size(2) &&
+                  plane.size(2) == layers_hooked * hidden.size(1),
+              "decoder_layers: the feature plane must be contiguous [N, bs, m * d] = [", pool.size(0), ", ",
+              pool.size(2), ", ", layers_hooked * hidden.size(1), "] in ", hidden.scalar_type(), ", got ",
+              plane.sizes(), " ", plane.scalar_type());
+}
+
 // hidden [B, d] after the embedding; tables [R, M] each row's blocks in the pools keys/values (per layer
 // [N, Hkv, bs, hd]); rows, slots [B] each token's row and slot in it. Returns [hidden after the last
-// layer, then the hidden states after each of feature_layers, in that order].
+// layer, then the hidden states after each of feature_layers, in that order]; with a plane [N, bs, m * d]
+// those hidden states are written into it beside each token's K/V instead, and only the first comes back.
 std::vector<at::Tensor> decoder_layers(const c10::intrusive_ptr<DecoderWeights>& weights, const at::Tensor& hidden,
                                        const at::Tensor& cos, const at::Tensor& signed_sin, at::TensorList keys,
                                        at::TensorList values, const at::Tensor& tables, const at::Tensor& rows,
-                                       const at::Tensor& slots, at::IntArrayRef feature_layers) {
+                                       const at::Tensor& slots, at::IntArrayRef feature_layers,
+                                       const std::optional<at::Tensor>& plane) {
   check_inputs(*weights, hidden, cos, signed_sin, keys, values, feature_layers);
+  if (plane.has_value()) check_plane(*plane, hidden, keys[0], static_cast<int64_t>(feature_layers.size()));
   TORCH_CHECK(tables.dim() == 2 && KVPages::readable(tables.size(1), keys[0].size(2)),
               "decoder_layers: block tables [R, M] over blocks of a power of two from 16 slots (or one block a row)");
   if (hidden.size(0) == 0)  // no token: nothing to write, nothing to attend
-    return std::vector<at::Tensor>(1 + feature_layers.size(), hidden.clone());
+    return std::vector<at::Tensor>(plane.has_value() ? 1 : 1 + feature_layers.size(), hidden.clone());
   // Below autograd: the step is inference only, and each inner call then skips that dispatch step.
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const at::Tensor slot_index = slots.to(at::kLong).contiguous(), row_index = rows.to(at::kLong).contiguous();
   const at::Tensor table = tables.to(at::kLong).contiguous();
   const auto [blocks, offsets] = slot_blocks(table, row_index, slot_index, keys[0]);
   const StepInputs step{cos.contiguous(), signed_sin.contiguous(), table, row_index, blocks, offsets, slot_index + 1};
-  return team_step(*weights, hidden, step, keys, values, feature_layers);
+  return team_step(*weights, hidden, step, keys, values, feature_layers, plane.has_value() ? &*plane : nullptr);
 }
 
 }  // namespace
@@ -254,7 +285,7 @@ TORCH_LIBRARY_FRAGMENT(vlmspec, m) {
   m.def(
       "decoder_layers(__torch__.torch.classes.vlmspec.DecoderWeights weights, Tensor hidden, Tensor cos, "
       "Tensor signed_sin, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor tables, Tensor rows, Tensor slots, "
-      "int[] feature_layers) -> Tensor[]");
+      "int[] feature_layers, Tensor(c!)? plane=None) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(vlmspec, CPU, m) {

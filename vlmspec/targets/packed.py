@@ -86,6 +86,7 @@ class KVSlots(Protocol):
     blocks: torch.Tensor  # [B] int64 the pool block of that slot
     offsets: torch.Tensor  # [B] int64 the slot's offset in the block
     native_attention: bool  # whether the kernel's attention suits this forward's queries (else the runner's attend)
+    features: torch.Tensor | None  # [N, bs, m * d] where hooked layers' outputs go beside their KV (None: returned)
 
     def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's key and value pools, [N, Hkv, bs, hd] each."""
@@ -221,6 +222,9 @@ class PackedDecoder:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [B or n, V] float32, features [B, m * d] or None
         """Logits (and hooked decoder-layer outputs) of the packed tokens; writes their K/V into ``kv``.
 
+        The hooked outputs are written into ``kv.features`` beside each token's K/V when the runner keeps
+        such a plane (features then come back None), else returned.
+
         A prefill wants only each prompt's last prediction: ``logits_at`` keeps the LM head
         (the largest linear) off the other tokens. The native step does not call ``attend``:
         it runs :func:`~vlmspec.kernels.cpu_kernels.paged_attention` with each token seeing
@@ -240,7 +244,11 @@ class PackedDecoder:
             hidden, captured = self._reference_layers(hidden, cos, sin, kv, attend, feature_layers, vision)
         last = hidden if logits_at is None else hidden[logits_at]
         logits = self.head(self.norm(last)).float()
-        features = torch.cat(captured, dim=-1) if feature_layers else None
+        features = torch.cat(captured, dim=-1) if captured else None  # [B, m * d]
+        plane = kv.features if feature_layers else None
+        if plane is not None and features is not None:  # the reference layers: beside the KV, as the native step does
+            plane[kv.blocks, kv.offsets] = features
+            features = None
         return logits, features
 
     def _reference_layers(
@@ -365,9 +373,11 @@ class _NativeLayers:
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # hidden [B, d] after the last layer, one [B, d] per feature layer
         buffers = [kv.buffers(index) for index in range(self.num_layers)]
         keys, values = [k for k, _ in buffers], [v for _, v in buffers]
+        plane = kv.features if feature_layers else None  # the kernel writes the hooked states there
         out = decoder_layers(
-            self.weights, hidden, cos, signed_sin, keys, values, kv.tables, kv.rows, kv.slots, list(feature_layers)
-        )
+            self.weights, hidden, cos, signed_sin, keys, values, kv.tables, kv.rows, kv.slots, list(feature_layers),
+            plane,
+        )  # fmt: skip
         return out[0], out[1:]
 
 

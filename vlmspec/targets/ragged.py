@@ -72,7 +72,6 @@ class RaggedStep:
     """What one ragged verification forward returns, padded to ``W = max n_r`` per row."""
 
     logits: torch.Tensor  # [R, W, V] float32; row r's first num_tokens[r] entries are real
-    features: torch.Tensor | None  # [R, W, m * d] hooked decoder-layer outputs (model dtype), or None
     positions: torch.Tensor  # [R, W] int64 1-D text-stream positions of the inputs (CPU)
 
 
@@ -260,11 +259,16 @@ class RaggedBatch:
         return wanted
 
     def features_of(self, row: int, end: int, start: int = 0) -> torch.Tensor | None:  # -> [end - start, m * d]
-        """The hooked features of row ``row``'s tokens ``start`` to ``end``, read from beside its KV (None: no layers)."""
+        """The hooked features of row ``row``'s tokens ``start`` to ``end``, read from beside its KV (None: no layers).
+
+        Every forward writes its tokens' features there, so this reads the committed tokens and, until
+        :meth:`advance`, the inputs of the last :meth:`verify` after them (slots ``lengths[row]`` on).
+        """
         if self.pool.features is None:
             return None
-        if not 0 <= start <= end <= int(self.lengths[row]):
-            raise ValueError(f"row {row} holds {int(self.lengths[row])} tokens; features {start}:{end} asked for")
+        written = int(self.lengths[row]) + (0 if self._pending is None else int(self._pending[row]))
+        if not 0 <= start <= end <= written:
+            raise ValueError(f"row {row} holds {written} tokens with features; features {start}:{end} asked for")
         size = self.pool.block_size
         first = start // size
         blocks = torch.tensor(self._blocks[row][first : -(-end // size)], device=self.pool.features.device)
@@ -311,20 +315,16 @@ class RaggedBatch:
         layout = self._layout(num_tokens, width)
         if layout.rows.numel() == 0:  # nothing to run: every row sits this step out
             self._pending, self._pending_tokens = num_tokens, None
-            return RaggedStep(torch.zeros(self.num_rows, width, self.target.vocab_size), None, positions)
+            return RaggedStep(torch.zeros(self.num_rows, width, self.target.vocab_size), positions)
         self._pending_tokens = tokens.cpu() if self.pool.prefix is not None else None
-        packed_logits, packed_features = self._verify_forward(tokens, positions, num_tokens, layout)
+        packed_logits = self._verify_forward(tokens, positions, num_tokens, layout)  # features: beside the KV
         if not layout.dense:  # some rows verify fewer tokens: pad them
-            gather = _padding_gather(layout, self.target.device)  # [R * W] packed index of each padded slot
-            packed_logits = packed_logits[gather]
-            packed_features = None if packed_features is None else packed_features[gather]
-        logits = packed_logits.view(self.num_rows, width, -1)
-        features = None if packed_features is None else packed_features.view(self.num_rows, width, -1)
+            packed_logits = packed_logits[_padding_gather(layout, self.target.device)]  # [R * W, V]
         self._pending = num_tokens
-        return RaggedStep(logits=logits, features=features, positions=positions)
+        return RaggedStep(logits=packed_logits.view(self.num_rows, width, -1), positions=positions)
 
     def _verify_forward(self, tokens, positions, num_tokens, layout: _Layout):
-        """:meth:`verify`'s packed logits [B, V] and features [B, m * d]: one forward, or with ``batch_invariant``
+        """:meth:`verify`'s packed logits [B, V] (features go beside the KV): one forward, or with ``batch_invariant``
         one per run of consecutive rows holding at most ``kernel_max_rows`` tokens, so that no step takes the
         GEMM and a row's logits have the bits they would have if it ran alone (outputs stay in packed order)."""
         limit = kernel_max_rows(self.target.dtype)
@@ -335,9 +335,7 @@ class RaggedBatch:
             part = torch.zeros_like(num_tokens)
             part[rows] = num_tokens[rows]
             parts.append(self._forward(tokens, positions, part, self._layout(part, tokens.shape[1])))
-        logits = torch.cat([part_logits for part_logits, _ in parts])
-        features = None if parts[0][1] is None else torch.cat([part_features for _, part_features in parts])
-        return logits, features
+        return torch.cat(parts)
 
     @torch.no_grad()
     def prefill(self, prompts: Sequence[RowPrompt | torch.Tensor]) -> list[TargetStep]:  # tensors: [L_i] int64
@@ -488,7 +486,7 @@ class RaggedBatch:
         layout = self._layout(num_tokens, width)
         ends = torch.cumsum(torch.tensor([p.length for p in ordered]), 0)  # [P] packed end of each piece
         positions = self.lengths[:, None] + torch.arange(width)  # [R, W]: a text piece continues its row
-        logits, _ = self._forward(tokens, positions, num_tokens, layout, ends - 1, mrope, pack_vision(ordered))
+        logits = self._forward(tokens, positions, num_tokens, layout, ends - 1, mrope, pack_vision(ordered))
         self.lengths = self.lengths + num_tokens
         self._pending = None
         self._cache_full_blocks([rows[i] for i in order])
@@ -518,8 +516,10 @@ class RaggedBatch:
 
     # ------------------------------------------------------------ internals
     def _forward(self, tokens, positions, num_tokens, layout: _Layout, logits_at=None, mrope=None, vision=None):
-        """The packed forward over the real inputs of ``tokens`` [R, W]: logits [B or n, V], features [B, m*d].
+        """The packed forward over the real inputs of ``tokens`` [R, W]: logits [B or n, V] float32.
 
+        Every token's hooked features go into the pool's plane beside its KV (:meth:`features_of` reads them):
+        the packed decoder writes them there itself, transformers' forward hands them back to be written.
         Images: packed M-RoPE ``mrope`` [3, B] replaces ``positions``; ``vision`` is indexed in packed order.
         """
         device = self.target.device
@@ -534,13 +534,13 @@ class RaggedBatch:
         forward = self._fast_forward if self.target.decode == "fast" else self._reference_forward
         logits_at = None if logits_at is None else logits_at.to(device)
         logits, features = forward(packed_ids, packed_positions, layout, logits_at, vision)
-        if self.pool.features is not None and features is not None:  # the drafter's context, kept beside the KV
+        if features is not None:  # transformers' forward (decode="reference"): the drafter's context, beside the KV
             blocks, offsets = layout.blocks.to(device), layout.block_offsets.to(device)
             self.pool.features[blocks, offsets] = features.to(self.pool.features.dtype)
-        return logits, features
+        return logits
 
     def _fast_forward(self, ids: torch.Tensor, positions: torch.Tensor, layout: _Layout, logits_at=None, vision=None):
-        """vlmspec's packed decoder (fused linears): logits [B, V] float32, features [B, m * d] or None."""
+        """vlmspec's packed decoder (fused linears): logits [B, V] float32; it writes the features beside the KV."""
         cache = _RaggedCache(self.pool, layout)
         if self._decoder is None:  # checked against the model's weights once per request joining, not per step
             self._decoder = self.target.packed_decoder()
@@ -771,6 +771,7 @@ class _RaggedCache:
         self.blocks, self.offsets = layout.blocks.to(device), layout.block_offsets.to(device)  # [B], [B]
         # Decode and verify steps (a few queries a row) suit the kernel's attention; a prefill chunk does not.
         self.native_attention = layout.width <= KERNEL_ATTENTION_MAX_QUERIES
+        self.features = pool.features  # [N, bs, m * d] or None: the hooked layers' outputs go beside their KV
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value_states: [1, Hkv, B, hd] of the packed tokens; returns this layer's whole pools."""
