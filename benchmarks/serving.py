@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     for start in range(args.restarts):
         if args.restarts > 1:
             log(f"start {start + 1}/{args.restarts} of the servers")
-        servers = start_servers(args, sps, out, warm_up=bodies[:2])
+        servers = start_servers(args, sps, out, warm_up=bodies[:2], start=start)
         try:
             for level in args.levels:
                 for variant, run in run_rounds(servers, bodies, args, level, start):
@@ -326,12 +326,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def start_servers(args: argparse.Namespace, sps: str | None, out: Path, warm_up: list[dict]) -> dict[str, PeerProcess]:
+def start_servers(
+    args: argparse.Namespace, sps: str | None, out: Path, warm_up: list[dict], start: int = 0
+) -> dict[str, PeerProcess]:
     """Every variant's server, ready and warmed up on ``warm_up``; a peer that cannot start is skipped (for the
-    rest of the run: ``args.variant_list`` drops it)."""
+    rest of the run: ``args.variant_list`` drops it).
+
+    The servers launch in the order :func:`run_order` gives start number ``start``: over the starts each
+    variant's process comes first as often as last, so none always finds the machine's memory as the
+    others left it (a process keeps the speed it starts with).
+    """
     servers = {}
     try:
-        for variant in args.variant_list:
+        for variant in run_order(args.variant_list, start):
             try:
                 servers[variant] = start_server(variant, args, sps, out)
             except (RuntimeError, ValueError, OSError, subprocess.SubprocessError) as err:

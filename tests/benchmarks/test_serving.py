@@ -50,3 +50,34 @@ def test_one_start_has_no_standard_error():
     assert summary["start_vs_alone"] == pytest.approx([0.9])
     assert summary["vs_alone_standard_error"] is None
     assert serving.format_by_start(summary) == "0.900 (1 start)"
+
+
+def test_the_servers_launch_in_alternating_orders_over_the_starts(monkeypatch, tmp_path):
+    launched = []
+
+    class Server:
+        url = "http://127.0.0.1:1/v1"
+
+        def wait_ready(self, timeout):
+            pass
+
+        def stop(self):
+            pass
+
+    def start_server(variant, args, sps, out):
+        launched.append(variant)
+        return Server()
+
+    async def run_cell(url, bodies, clients):
+        return 0.0, []
+
+    monkeypatch.setattr(serving, "start_server", start_server)
+    monkeypatch.setattr(serving, "run_cell", run_cell)
+    args = serving.parse_args(["--variants", "alone,default"])
+    orders = []
+    for start in range(4):
+        launched.clear()
+        servers = serving.start_servers(args, None, tmp_path, warm_up=[], start=start)
+        orders.append(list(launched))
+        assert list(servers) == launched  # warmed up and measured in the same order
+    assert orders.count(["alone", "default"]) == orders.count(["default", "alone"]) == 2
