@@ -84,7 +84,7 @@ class PendingContext:
     sits out drafting for many steps (every request under load, with the serving defaults) holds the same
     few tensors throughout, not two more each step: long-lived tensors of a few bytes, made every step,
     split the allocator's free chunks so that each step's logits ([R, V] float32) landed on fresh pages
-    (768 page faults, about 1.5 ms of a 16-row step on the 2-core EPYC: docs/design.md §21.5).
+    (768 page faults, about 0.5 ms of a 17 ms 16-row step on a 2-core Xeon: docs/design.md §21.5).
     """
 
     anchor: int  # the last committed token (the target has not run it yet): the next round's first input
